@@ -1,0 +1,167 @@
+"""Command line: python -m lab {devices,list,preflight,sweep,report}.
+
+Bad input (unknown kernel, device, DSL, shape or config key; malformed sweep file) prints one line
+``error: ...`` on stderr and exits with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from lab.devices import LabError, PROFILES, detect, get_profile, present_label
+
+
+def cmd_devices(args) -> int:
+    present = detect()
+    print(f"present GPU: {present_label(present)}" + (f" -> profile {present.profile}" if present and present.profile else ""))
+    print(f"{'':2}{'profile':8} {'GPU':18} {'target':8} {'SMs':>4} {'SMEM/block (opt-in)':>20} {'L2':>8} "
+          f"{'mem GB/s':>9} {'bf16 TFLOP/s':>12}")
+    for p in PROFILES.values():
+        mark = "* " if present and present.profile == p.name else "  "
+        l2 = f"{p.l2_bytes // (1 << 20)} MiB" if p.l2_bytes else "-"
+        print(f"{mark}{p.name:8} {p.gpu:18} {p.target:8} {p.sms:>4} {p.smem_optin_bytes:>11,} B ({p.smem_optin_kib:.0f} KiB)"
+              f" {l2:>8} {p.mem_bw_gbs or '-':>9} {p.bf16_tflops or '-':>12}")
+    print("(* = present; sources: python -c 'from lab.devices import PROFILES; print(PROFILES[\"h100\"].sources)')")
+    return 0
+
+
+def cmd_list(args) -> int:
+    from lab import problems, registry
+    prof = get_profile(args.device)
+    kernels = [args.kernel] if args.kernel else problems.names()
+    for k in kernels:
+        problems.get(k)
+    print(f"eligibility on {prof.name} ({prof.target}):")
+    for k in kernels:
+        for dsl, e in registry.eligibility_table(k, prof.target).items():
+            print(f"  {k:16} {dsl:10} {e}")
+    return 0
+
+
+def cmd_preflight(args) -> int:
+    from lab import preflight, problems, registry, space
+    prof = get_profile(args.device)
+    problem = problems.get(args.kernel)
+    shapes, default = space.load_shapes(args.kernel)
+    names = [args.shape] if args.shape else default[:1]
+    for n in names:
+        if n not in shapes:
+            raise LabError(f"unknown shape {n!r} for {args.kernel} (known: {', '.join(shapes)})")
+    dsls = registry.dsls() if args.dsl == "all" else [args.dsl]
+    limit = None if args.compile_limit < 0 else args.compile_limit
+    for n in names:
+        shape = dict(shapes[n])
+        problem.check_shape(shape)
+        print(f"preflight {args.kernel} shape {n} {json.dumps(shape)} on {prof.name} ({prof.target}, "
+              f"limit {prof.smem_optin_bytes:,} B)")
+        for dsl in dsls:
+            lane = registry.get(dsl, args.kernel)
+            e = lane.eligibility(prof.target)
+            if not e.ok:
+                print(f"  {dsl:8} {e}")
+                continue
+            sp = space.load_space(args.kernel, dsl, tuple(lane.module.TUNABLES))
+            s = preflight.summarize(lane, sp, shape, prof, limit, seed=args.seed)
+            rej = ", ".join(f"{k} {v}" for k, v in sorted(s["rejected"].items())) or "none"
+            print(f"  {dsl:8} {s['space']} configs; rejected before compile: {rej}; fit by estimate: {s['fit_estimate']}")
+            if s["compiled"] or s["rows"]:
+                print(f"  {'':8} compiled {s['compiled']} for {prof.target} ({s['compile_errors']} compile errors): "
+                      f"{s['fit_compiled']} fit; estimate == compiler for {s['agree_exact']}/{s['compiled']}, "
+                      f"{len(s['wrong_side_of_limit'])} on the wrong side of the limit")
+                for r in s["disagree"][: args.show]:
+                    print(f"  {'':8}   estimate {r['estimate']:>7} B vs compiled {r['compiled']:>7} B  {json.dumps(r['config'])}")
+            else:
+                note = next((r["error"] for r in s["rows"] if r["error"]), "no AOT compile for this lane")
+                print(f"  {'':8} no compile-verified figure: {note}")
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    from lab import sweep
+    dsls = None if args.dsl == "all" else [d.strip() for d in args.dsl.split(",")]
+    if dsls:
+        from lab import registry
+        for d in dsls:
+            registry.get(d, args.kernel)
+    from lab import problems
+    problems.get(args.kernel)
+    get_profile(args.device)
+    req = sweep.SweepRequest(
+        kernel=args.kernel, device=args.device, dsls=dsls, shapes=args.shape or None, trials=args.trials,
+        timeout_s=args.timeout, sampler=args.sampler, seed=args.seed, storage=args.storage, emulate=args.emulate,
+        compile_only=args.compile_only, results_dir=Path(args.results), prefetch=args.prefetch,
+        baseline=not args.no_baseline, confirm=not args.no_confirm, progress=not args.no_progress)
+    sw, summary = sweep.run(req, detect())
+    print(f"results: {sw.writer.path} ({len(sw.writer.rows)} rows)")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from lab import report
+    out = report.write(Path(args.path), Path(args.out) if args.out else None)
+    print(f"report: {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m lab", description="GPU kernel lab: sweep, check and compare kernels across DSLs")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    sub.add_parser("devices", help="list device profiles and mark the GPU present").set_defaults(fn=cmd_devices)
+
+    s = sub.add_parser("list", help="kernels x DSLs and their eligibility on a device")
+    s.add_argument("kernel", nargs="?")
+    s.add_argument("--device", default="h100")
+    s.set_defaults(fn=cmd_list)
+
+    s = sub.add_parser("preflight", help="which configs fit a device, estimate vs compiler (no GPU needed)")
+    s.add_argument("kernel")
+    s.add_argument("--device", required=True)
+    s.add_argument("--dsl", default="all")
+    s.add_argument("--shape", help="named shape (default: the kernel's first default shape)")
+    s.add_argument("--compile-limit", type=int, default=48,
+                   help="compile at most N configs (a seeded sample; -1 = all)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--show", type=int, default=5, help="disagreements to print")
+    s.set_defaults(fn=cmd_preflight)
+
+    s = sub.add_parser("sweep", help="tune a kernel on a device (resumable Optuna study)")
+    s.add_argument("kernel")
+    s.add_argument("--device", required=True)
+    s.add_argument("--dsl", default="all", help="a DSL, a comma list, or all")
+    s.add_argument("--shape", action="append", help="named shape (repeatable; default: the kernel's default list)")
+    s.add_argument("--trials", type=int, default=40, help="measured configs per DSL and shape (resume counts earlier ones)")
+    s.add_argument("--timeout", type=float, default=300.0, help="seconds per candidate (compile + parity + timing)")
+    s.add_argument("--sampler", default="tpe", choices=["tpe", "random", "grid"])
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--storage", help="Optuna storage URL (default: sqlite file under results/<device>/<kernel>/)")
+    mode = s.add_mutually_exclusive_group()
+    mode.add_argument("--emulate", action="store_true", help="run the device's envelope on the GPU present (rows marked emulated)")
+    mode.add_argument("--compile-only", action="store_true", help="preflight and compile for the target, run nothing")
+    s.add_argument("--results", default="results")
+    s.add_argument("--prefetch", type=int, default=2, help="candidates compiled ahead of the GPU (0 = none)")
+    s.add_argument("--no-baseline", action="store_true", help="do not add the baseline lane")
+    s.add_argument("--no-confirm", action="store_true", help="skip the A/B re-timing of the best configs")
+    s.add_argument("--no-progress", action="store_true")
+    s.set_defaults(fn=cmd_sweep)
+
+    s = sub.add_parser("report", help="markdown summary and PNG plots of result tables")
+    s.add_argument("path", nargs="?", default="results")
+    s.add_argument("--out", help="folder for report.md and plots (default: <path>/report)")
+    s.set_defaults(fn=cmd_report)
+    return p
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except LabError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted (finished trials are saved)", file=sys.stderr)
+        return 130

@@ -1,0 +1,201 @@
+"""Preflight: decide, before any GPU work, whether a config can run on a target device profile.
+
+Order of checks (each rejection is recorded with its reason and costs no compile):
+  1. the lane's arithmetic rules (``config_reason``) and the sweep file's restrictions;
+  2. the lane's target rules (``target_reason``);
+  3. the analytic shared-memory estimate against the profile's opt-in limit;
+  4. an ahead-of-time compile for the profile's target (CPU only): the compiled shared memory
+     against the limit. Compile results are cached on disk per lane version and target.
+All sizes are bytes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from lab.devices import DeviceProfile
+from lab.registry import Lane
+from lab.space import Space, config_key
+
+
+@dataclass
+class Verdict:
+    feasible: bool
+    reason: str = ""
+    stage: str = ""                    # rules, target, estimate, compile, compile_error, ok
+    smem_estimate: int | None = None
+    smem_compiled: int | None = None
+    smem_limit: int | None = None
+    compile_s: float | None = None
+    compile_note: str = ""             # why no compile-verified figure exists, when it does not
+    registers: int | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LAB_CACHE_DIR", Path.home() / ".cache" / "lab"))
+
+
+def dsl_cache_env(dsl: str, target: str) -> dict:
+    """Per-target compiler cache folders, so a binary for one target is never reused for another."""
+    root = cache_dir() / "dsl" / dsl / target
+    return {"TRITON_CACHE_DIR": str(root / "triton")}
+
+
+def _cache_file(lane: Lane, target: str) -> Path:
+    tag = hashlib.sha1(json.dumps(lane.module.versions(), sort_keys=True).encode()).hexdigest()[:10]
+    src = Path(lane.module.__file__).read_bytes()
+    tag += "-" + hashlib.sha1(src).hexdigest()[:10]
+    return cache_dir() / "preflight" / f"{lane.dsl}-{lane.kernel}-{target}-{tag}.json"
+
+
+def compile_cached(lane: Lane, config: dict, shape: dict, target: str) -> dict:
+    """AOT compile through the lane, memoized on disk. Returns the lane's compile dict, or
+    ``{"error": text}`` when the compile failed, or ``{"unsupported": text}`` when the lane cannot
+    compile ahead of time."""
+    path = _cache_file(lane, target)
+    key = config_key({"config": config, "shape": shape})
+    try:
+        cache = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        cache = {}
+    if key in cache:
+        return cache[key]
+    os.environ.update(dsl_cache_env(lane.dsl, target))
+    try:
+        result = dict(lane.module.compile_for(config, shape, target))
+    except NotImplementedError as exc:
+        return {"unsupported": str(exc)}
+    except Exception as exc:
+        result = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+    # Merge with what other processes wrote meanwhile, then replace atomically.
+    try:
+        cache = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        cache = {}
+    cache[key] = result
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(cache))
+    os.replace(tmp, path)
+    return result
+
+
+def cheap_checks(lane: Lane, space: Space | None, config: dict, shape: dict, profile: DeviceProfile) -> Verdict:
+    """Checks 1-3 (no compile)."""
+    mod = lane.module
+    limit = profile.smem_optin_bytes
+    reason = mod.config_reason(config, shape) or (space.rule_reason(config) if space else None)
+    if reason:
+        return Verdict(False, reason, "rules", smem_limit=limit)
+    reason = mod.eligibility(profile.target) or mod.target_reason(config, profile.target)
+    if reason:
+        return Verdict(False, reason, "target", smem_limit=limit)
+    est = mod.smem_estimate(config, shape, profile.target)
+    if est is not None and est > limit:
+        return Verdict(False, f"estimated shared memory {est} B > {profile.name} limit {limit} B", "estimate",
+                       smem_estimate=est, smem_limit=limit)
+    return Verdict(True, "", "estimate", smem_estimate=est, smem_limit=limit)
+
+
+def check(lane: Lane, space: Space | None, config: dict, shape: dict, profile: DeviceProfile,
+          compile: bool = True) -> Verdict:
+    """All four checks; ``compile=False`` stops after the estimate."""
+    v = cheap_checks(lane, space, config, shape, profile)
+    if not v.feasible or not compile:
+        return v
+    t0 = time.perf_counter()
+    res = compile_cached(lane, config, shape, profile.target)
+    v.compile_s = res.get("compile_s", time.perf_counter() - t0)
+    if "unsupported" in res:
+        v.compile_note = res["unsupported"]
+        v.stage = "ok"
+        return v
+    if "error" in res:
+        v.feasible, v.stage, v.reason = False, "compile_error", res["error"]
+        return v
+    v.smem_compiled, v.registers = res.get("smem_bytes"), res.get("registers")
+    if v.smem_compiled is not None and v.smem_compiled > v.smem_limit:
+        v.feasible, v.stage = False, "compile"
+        v.reason = f"compiled shared memory {v.smem_compiled} B > {profile.name} limit {v.smem_limit} B"
+        return v
+    v.stage = "ok"
+    return v
+
+
+def _check_in_process(args) -> dict:
+    from lab import registry
+    from lab.devices import get_profile
+    dsl, kernel, space, config, shape, profile_name = args
+    return check(registry.get(dsl, kernel), space, config, shape, get_profile(profile_name)).as_dict()
+
+
+class CompilePool:
+    """Runs :func:`check` for upcoming candidates in CPU processes while the GPU times others."""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self._pool = None
+        if workers > 0:
+            import multiprocessing as mp
+            from concurrent.futures import ProcessPoolExecutor
+            self._pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))
+
+    def submit(self, lane: Lane, space: Space | None, config: dict, shape: dict, profile: DeviceProfile):
+        args = (lane.dsl, lane.kernel, space, config, shape, profile.name)
+        if self._pool is None:
+            from concurrent.futures import Future
+            fut: Future = Future()
+            fut.set_result(_check_in_process(args))
+            return fut
+        return self._pool.submit(_check_in_process, args)
+
+    def close(self):
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+
+
+def summarize(lane: Lane, space: Space, shape: dict, profile: DeviceProfile, compile_limit: int | None,
+              seed: int = 0) -> dict:
+    """Preflight a whole space for ``lane`` on ``profile``: counts and estimate/compiler agreement.
+
+    With ``compile_limit`` set, only that many configs that pass the cheap checks (a seeded random
+    sample) are compiled; the rest are judged by the estimate alone.
+    """
+    import random
+
+    configs = [lane.full_config(c) for c in space.configs()]
+    cheap = [(c, cheap_checks(lane, space, c, shape, profile)) for c in configs]
+    by_stage: dict[str, int] = {}
+    for _, v in cheap:
+        if not v.feasible:
+            by_stage[v.stage] = by_stage.get(v.stage, 0) + 1
+    passing = [c for c, v in cheap if v.feasible]
+    # Over-limit estimates are also compiled (a sample) to see whether the estimate was too pessimistic.
+    over = [c for c, v in cheap if v.stage == "estimate" and not v.feasible]
+    rng = random.Random(seed)
+    to_compile = passing + over
+    if compile_limit is not None and len(to_compile) > compile_limit:
+        to_compile = rng.sample(to_compile, compile_limit)
+    rows = []
+    for c in to_compile:
+        est = lane.module.smem_estimate(c, shape, profile.target)
+        res = compile_cached(lane, c, shape, profile.target)
+        rows.append({"config": c, "estimate": est, "compiled": res.get("smem_bytes"),
+                     "error": res.get("error") or res.get("unsupported")})
+    compiled = [r for r in rows if r["compiled"] is not None]
+    limit = profile.smem_optin_bytes
+    fits_compiled = sum(1 for r in compiled if r["compiled"] <= limit)
+    disagree = [r for r in compiled if r["estimate"] is not None and r["estimate"] != r["compiled"]]
+    wrong_side = [r for r in compiled if r["estimate"] is not None
+                  and (r["estimate"] <= limit) != (r["compiled"] <= limit)]
+    return {"space": len(configs), "rejected": by_stage, "fit_estimate": len(passing),
+            "compiled": len(compiled), "compile_errors": sum(1 for r in rows if r["error"] and r["compiled"] is None),
+            "fit_compiled": fits_compiled, "agree_exact": len(compiled) - len(disagree),
+            "disagree": disagree, "wrong_side_of_limit": wrong_side, "rows": rows, "limit": limit}

@@ -1,0 +1,170 @@
+"""Markdown summary and PNG plots from result tables (``python -m lab report results/``).
+
+Per (requested device, emulated, kernel, shape): the best ok config per DSL with its median time,
+IQR, TFLOP/s, % of the running device's peak, SMEM, and the ratio to the baseline lane (cuBLAS
+for GEMM). Where A/B confirm rows exist, ratios come from them (same process, alternating).
+Verdicts FASTER / SLOWER / SAME compare interquartile ranges: SAME when they overlap.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from lab.results import load
+
+
+def _verdict(a_q1, a_q3, b_q1, b_q3) -> str:
+    if a_q3 < b_q1:
+        return "FASTER"
+    if a_q1 > b_q3:
+        return "SLOWER"
+    return "SAME"
+
+
+def best_per_dsl(df: pd.DataFrame) -> pd.DataFrame:
+    """Best ok sweep row per (device, emulated, kernel, shape, dsl), with confirm timings joined."""
+    keys = ["requested_profile", "emulated", "kernel", "shape", "dsl"]
+    ok = df[(df["status"] == "ok") & (df["phase"] == "sweep")]
+    if ok.empty:
+        return ok
+    best = ok.loc[ok.groupby(keys)["time_ms"].idxmin()].copy()
+    conf = df[(df["phase"] == "confirm") & (df["status"] == "ok")]
+    if not conf.empty:
+        conf = conf.sort_values("time_utc").groupby(keys + ["config_json"]).tail(1)
+        cols = {"time_ms": "confirm_ms", "time_q1_ms": "confirm_q1_ms", "time_q3_ms": "confirm_q3_ms"}
+        best = best.merge(conf[keys + ["config_json", *cols]].rename(columns=cols), on=keys + ["config_json"], how="left")
+    else:
+        for c in ("confirm_ms", "confirm_q1_ms", "confirm_q3_ms"):
+            best[c] = float("nan")
+    return best
+
+
+def with_ratios(best: pd.DataFrame) -> pd.DataFrame:
+    """Adds ratio_to_baseline (baseline time / lane time: >1 is faster than the baseline) and verdict."""
+    out = []
+    for _, g in best.groupby(["requested_profile", "emulated", "kernel", "shape"]):
+        g = g.copy()
+        base = g[g["baseline"] == True]  # noqa: E712 (pandas)
+        if base.empty:
+            g["ratio_to_baseline"], g["vs_baseline"], g["timing_source"] = float("nan"), "", ""
+        else:
+            b = base.iloc[0]
+            use_confirm = g["confirm_ms"].notna().all()
+            col, q1, q3 = ("confirm_ms", "confirm_q1_ms", "confirm_q3_ms") if use_confirm else ("time_ms", "time_q1_ms", "time_q3_ms")
+            g["ratio_to_baseline"] = b[col] / g[col]
+            g["vs_baseline"] = [_verdict(r[q1], r[q3], b[q1], b[q3]) if not r["baseline"] else "baseline"
+                                for _, r in g.iterrows()]
+            g["timing_source"] = "A/B confirm" if use_confirm else "sweep"
+        out.append(g)
+    return pd.concat(out) if out else best
+
+
+def _fmt(x, spec):
+    return "-" if x is None or (isinstance(x, float) and pd.isna(x)) else format(x, spec)
+
+
+def _config_text(cfg_json: str) -> str:
+    cfg = json.loads(cfg_json or "{}")
+    return " ".join(f"{k}={v}" for k, v in cfg.items()) or "(library)"
+
+
+def markdown(df: pd.DataFrame) -> str:
+    lines = ["# Kernel lab report", ""]
+    if df.empty:
+        return "\n".join(lines + ["No result rows."])
+    runs = df.groupby("run_id").agg(time=("time_utc", "min"), gpu=("actual_gpu", "first"),
+                                    req=("requested_profile", "first"), emu=("emulated", "first"),
+                                    commit=("git_commit", "first"), rows=("status", "size"))
+    lines += ["## Runs", "", "| run | started (UTC) | requested | GPU that ran | emulated | commit | rows |",
+              "|---|---|---|---|---|---|---|"]
+    for rid, r in runs.iterrows():
+        lines.append(f"| {rid} | {r.time} | {r.req} | {r.gpu} | {bool(r.emu)} | {str(r.commit)[:10]} | {r.rows} |")
+    lines.append("")
+    best = with_ratios(best_per_dsl(df))
+    for (dev, emu, kernel), g in df.groupby(["requested_profile", "emulated", "kernel"]):
+        gpu = ", ".join(sorted(set(g["actual_gpu"])))
+        title = f"## {kernel} on {dev}" + (f" (EMULATED on {gpu})" if emu else f" ({gpu})")
+        lines += [title, ""]
+        counts = g[g["phase"] == "sweep"].groupby(["shape", "dsl", "status"]).size().unstack(fill_value=0)
+        b = best[(best["requested_profile"] == dev) & (best["emulated"] == emu) & (best["kernel"] == kernel)] \
+            if not best.empty else best
+        for shape, gs in g.groupby("shape"):
+            dims = json.loads(gs["shape_json"].iloc[0])
+            lines += [f"### {shape} `{' '.join(f'{k}={v}' for k, v in dims.items())}`", "",
+                      "| DSL | median ms | IQR ms | n | TFLOP/s | % peak | GB/s | vs baseline | ratio | SMEM used B (est / compiled / launched) | regs | parity rel_l2 | config |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            bs = b[b["shape"] == shape] if not b.empty else b
+            for _, r in bs.sort_values("time_ms").iterrows():
+                smem = " / ".join(_fmt(r.get(c), ",.0f") for c in ("smem_estimate_bytes", "smem_compiled_bytes", "smem_launched_bytes"))
+                lines.append(
+                    f"| {r['dsl']} | {_fmt(r['time_ms'], '.4f')} | {_fmt(r['time_iqr_ms'], '.4f')} | {_fmt(r['samples'], '.0f')} | "
+                    f"{_fmt(r['tflops'], '.1f')} | {_fmt(r['pct_peak_tflops'], '.1f')} | {_fmt(r['gbs'], '.0f')} | "
+                    f"{r.get('vs_baseline', '')} | {_fmt(r.get('ratio_to_baseline'), '.3f')} | {smem} | "
+                    f"{_fmt(r.get('registers'), '.0f')} | {_fmt(r['parity_rel_l2'], '.2e')} | {_config_text(r['config_json'])} |")
+            for _, r in gs[gs["phase"] == "eligibility"].drop_duplicates("dsl").iterrows():
+                lines.append(f"| {r['dsl']} | - | - | - | - | - | - | - | - | - | - | - | {r['error']} |")
+            if shape in counts.index:
+                c = counts.loc[shape]
+                lines += ["", "Trials by status: " + "; ".join(
+                    f"{dsl}: " + ", ".join(f"{s} {int(n)}" for s, n in row.items() if n) for dsl, row in c.iterrows())]
+            if not bs.empty and "timing_source" in bs:
+                lines.append(f"Ratios from: {bs['timing_source'].iloc[0] or 'n/a'} (ratio = baseline time / lane time).")
+            drift = gs["clock_drift"].fillna(False).astype(bool).sum()
+            if drift:
+                lines.append(f"WARNING: {drift} rows had SM clock drift > 10% between start and end of timing.")
+            lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def plots(df: pd.DataFrame, out: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    best = with_ratios(best_per_dsl(df))
+    files = []
+    if best.empty:
+        return files
+    for (dev, emu, kernel), g in best.groupby(["requested_profile", "emulated", "kernel"]):
+        tag = f"{kernel}_{dev}" + ("_emulated" if emu else "")
+        shapes = list(dict.fromkeys(g["shape"]))
+        dsls = sorted(set(g["dsl"]))
+        for metric, ylabel, name in (("tflops", "TFLOP/s (best config)", "tflops"),
+                                     ("ratio_to_baseline", "speed vs baseline (>1 faster)", "ratio")):
+            if g[metric].isna().all():
+                continue
+            fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(shapes) * max(1, len(dsls)) / 2), 4))
+            width = 0.8 / max(1, len(dsls))
+            for i, dsl in enumerate(dsls):
+                vals = [g[(g["shape"] == s) & (g["dsl"] == dsl)][metric].max() for s in shapes]
+                ax.bar([x + i * width for x in range(len(shapes))], vals, width, label=dsl)
+            if name == "ratio":
+                ax.axhline(1.0, color="k", lw=0.8)
+            ax.set_xticks([x + width * (len(dsls) - 1) / 2 for x in range(len(shapes))])
+            ax.set_xticklabels(shapes, rotation=20, ha="right")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{kernel} on {dev}" + (" (emulated)" if emu else ""))
+            ax.legend()
+            fig.tight_layout()
+            path = out / f"{tag}_{name}.png"
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            files.append(path)
+    return files
+
+
+def write(path: Path, out: Path | None = None) -> Path:
+    from lab.devices import LabError
+    if not path.exists():
+        raise LabError(f"no such results folder: {path}")
+    df = load(path)
+    out = out or path / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    md = markdown(df)
+    pngs = plots(df, out) if not df.empty else []
+    if pngs:
+        md += "\n## Plots\n\n" + "\n".join(f"![{p.stem}]({p.name})" for p in pngs) + "\n"
+    (out / "report.md").write_text(md)
+    return out / "report.md"

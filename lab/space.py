@@ -1,0 +1,156 @@
+"""Declarative search spaces and named shapes, read from ``sweeps/<kernel>/``.
+
+``sweeps/<kernel>/shapes.toml``::
+
+    default = ["sq4096_bf16", ...]          # shapes a sweep takes when --shape is not given
+    [shapes.sq4096_bf16]
+    M = 4096
+    N = 4096
+    K = 4096
+    dtype = "bfloat16"
+
+``sweeps/<kernel>/<dsl>.toml``::
+
+    [params]                                 # each tunable and the values it may take
+    BLOCK_M = [64, 128, 256]
+    [restrictions]                           # Python expressions over the params; all must hold
+    rules = ["BLOCK_M * BLOCK_N <= 128 * 256"]
+    [[seed]]                                 # optional: configs a new study tries first
+    BLOCK_M = 128
+"""
+from __future__ import annotations
+
+import ast
+import itertools
+import json
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lab.devices import LabError
+
+_ALLOWED_NODES = (ast.Expression, ast.BoolOp, ast.BinOp, ast.UnaryOp, ast.Compare, ast.Name, ast.Load,
+                  ast.Constant, ast.And, ast.Or, ast.Not, ast.Add, ast.Sub, ast.Mult, ast.Div,
+                  ast.FloorDiv, ast.Mod, ast.Pow, ast.USub, ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt,
+                  ast.GtE, ast.In, ast.NotIn, ast.Tuple, ast.List, ast.Call, ast.IfExp, ast.BitAnd,
+                  ast.BitOr, ast.LShift, ast.RShift)
+_FUNCS = {"min": min, "max": max, "abs": abs}
+
+
+def sweeps_dir() -> Path:
+    return Path(os.environ.get("LAB_SWEEPS_DIR", Path(__file__).resolve().parent.parent / "sweeps"))
+
+
+def _read_toml(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise LabError(f"missing sweep file {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise LabError(f"malformed sweep file {path}: {exc}") from None
+
+
+def config_key(config: dict) -> str:
+    """Canonical JSON of a config: the identity used for duplicate detection."""
+    return json.dumps(config, sort_keys=True, separators=(",", ":"))
+
+
+@dataclass
+class Space:
+    """A discrete search space: ``params`` maps each tunable to its allowed values."""
+    params: dict[str, list]
+    rules: list[str] = field(default_factory=list)
+    source: str = ""
+    seeds: list[dict] = field(default_factory=list)  # configs tried first in a new study
+
+    def __post_init__(self):
+        self._compiled = []
+        for rule in self.rules:
+            try:
+                tree = ast.parse(rule, mode="eval")
+            except SyntaxError as exc:
+                raise LabError(f"malformed restriction {rule!r} in {self.source}: {exc.msg}") from None
+            for node in ast.walk(tree):
+                if not isinstance(node, _ALLOWED_NODES):
+                    raise LabError(f"restriction {rule!r} in {self.source} uses {type(node).__name__}")
+                if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name) and node.func.id in _FUNCS):
+                    raise LabError(f"restriction {rule!r} in {self.source} calls a function other than min/max/abs")
+                if isinstance(node, ast.Name) and node.id not in self.params and node.id not in _FUNCS:
+                    raise LabError(f"restriction {rule!r} in {self.source} names unknown param {node.id!r}")
+            self._compiled.append((rule, compile(tree, self.source or "<rule>", "eval")))
+
+    def rule_reason(self, config: dict) -> str | None:
+        """The first restriction ``config`` breaks, or None."""
+        for rule, code in self._compiled:
+            if not eval(code, {"__builtins__": {}}, {**_FUNCS, **config}):  # noqa: S307 (AST-checked above)
+                return f"restriction: {rule}"
+        return None
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for values in self.params.values():
+            n *= len(values)
+        return n
+
+    def configs(self):
+        """Every point of the grid (restrictions not applied)."""
+        names = list(self.params)
+        for combo in itertools.product(*(self.params[n] for n in names)):
+            yield dict(zip(names, combo))
+
+
+def load_space(kernel: str, dsl: str, tunables: tuple[str, ...]) -> Space:
+    path = sweeps_dir() / kernel / f"{dsl}.toml"
+    data = _read_toml(path)
+    params = data.get("params", {})
+    if not isinstance(params, dict):
+        raise LabError(f"malformed sweep file {path}: [params] must be a table")
+    for name, values in params.items():
+        if name not in tunables:
+            raise LabError(f"unknown config key {name!r} in {path} (tunables: {', '.join(tunables) or 'none'})")
+        if not isinstance(values, list) or not values:
+            raise LabError(f"malformed sweep file {path}: params.{name} must be a non-empty list")
+        if len({json.dumps(v) for v in values}) != len(values):
+            raise LabError(f"malformed sweep file {path}: params.{name} repeats a value")
+    rules = data.get("restrictions", {}).get("rules", [])
+    if not isinstance(rules, list) or not all(isinstance(r, str) for r in rules):
+        raise LabError(f"malformed sweep file {path}: restrictions.rules must be a list of strings")
+    unknown = set(data) - {"params", "restrictions", "seed"}
+    if unknown:
+        raise LabError(f"malformed sweep file {path}: unknown section(s) {', '.join(sorted(unknown))}")
+    seeds = data.get("seed", [])
+    if not isinstance(seeds, list) or not all(isinstance(s, dict) for s in seeds):
+        raise LabError(f"malformed sweep file {path}: [[seed]] entries must be tables")
+    for s in seeds:
+        for k, v in s.items():
+            if k not in params:
+                raise LabError(f"unknown config key {k!r} in a [[seed]] of {path}")
+            if v not in params[k]:
+                raise LabError(f"malformed sweep file {path}: seed value {k}={v!r} is not in params.{k}")
+        if set(s) != set(params):
+            raise LabError(f"malformed sweep file {path}: a [[seed]] must set every param ({', '.join(params)})")
+    return Space(params, rules, str(path), seeds)
+
+
+def load_shapes(kernel: str) -> tuple[dict[str, dict], list[str]]:
+    """Named shapes and the default list for ``kernel``."""
+    path = sweeps_dir() / kernel / "shapes.toml"
+    data = _read_toml(path)
+    shapes = data.get("shapes")
+    if not isinstance(shapes, dict) or not shapes:
+        raise LabError(f"malformed sweep file {path}: needs a [shapes.NAME] table")
+    default = data.get("default", list(shapes))
+    missing = [s for s in default if s not in shapes]
+    if missing:
+        raise LabError(f"malformed sweep file {path}: default names unknown shape(s) {', '.join(missing)}")
+    return shapes, default
+
+
+def get_shape(kernel: str, name: str) -> dict:
+    shapes, _ = load_shapes(kernel)
+    if name not in shapes:
+        raise LabError(f"unknown shape {name!r} for {kernel} (known: {', '.join(shapes)})")
+    return dict(shapes[name])

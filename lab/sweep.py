@@ -1,0 +1,430 @@
+"""Optuna-driven sweeps: one resumable study per (kernel, DSL, shape, device, toolchain).
+
+Flow per candidate: the sampler proposes a config; a config already measured in the study is not
+measured again; cheap preflight checks (rules, target, SMEM estimate) reject infeasible configs
+without compiling; an AOT compile for the target profile (in a CPU process pool, overlapping the GPU
+timing of the previous candidate) verifies shared memory; the survivor is parity-checked and timed
+in a killable worker process. Every outcome is a row, written as soon as it exists.
+Objective: median time in ms (minimized). Non-ok outcomes are told to Optuna as constraint
+violations with a penalty value, so TPE learns to avoid them.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import socket
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lab import preflight, problems, registry, space as space_mod
+from lab.devices import DeviceProfile, LabError, PresentGPU, PROFILES, get_profile
+from lab.results import RunWriter, git_state, new_run_id, now_utc
+from lab.worker import WorkerRunner
+
+PENALTY_MS = 1e9  # objective value told to Optuna for any non-ok outcome (with constraint > 0)
+STALE_STREAK = 200  # consecutive proposals that add nothing new before the space counts as exhausted
+
+
+@dataclass
+class Mode:
+    """What will actually happen: measured natively, emulated, or compile-only."""
+    requested: DeviceProfile
+    actual_gpu: str
+    actual_profile: str
+    run_target: str | None     # compile target of the binaries that run (None when compile-only)
+    emulated: bool
+    compile_only: bool
+    run_profile: DeviceProfile | None  # profile of the GPU that runs (for peaks), None if unknown
+
+
+def _target_of(gpu: PresentGPU) -> str:
+    major, minor = gpu.capability
+    return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
+
+
+def resolve_mode(requested: str, present: PresentGPU | None, emulate: bool, compile_only: bool) -> Mode:
+    """Requested profile vs the GPU present: refuses a mismatch unless --emulate or --compile-only."""
+    prof = get_profile(requested)
+    if emulate and compile_only:
+        raise LabError("--emulate and --compile-only are exclusive")
+    if compile_only:
+        label = present.name if present else "none (CPU only)"
+        return Mode(prof, label, present.profile if present and present.profile else "none", None, False, True, None)
+    if present is None:
+        raise LabError(f"no GPU on this machine: a {requested} sweep needs one; use --compile-only to preflight "
+                       f"and compile for {prof.target} without running")
+    run_prof = PROFILES.get(present.profile) if present.profile else None
+    if present.profile == requested:
+        return Mode(prof, present.name, present.profile, _target_of(present), False, False, run_prof)
+    if not emulate:
+        raise LabError(f"requested device {requested} ({prof.gpu}) but this machine has {present.name} "
+                       f"(profile {present.profile or 'unknown'}); pass --emulate to run {requested}-limited "
+                       f"configs on it (rows marked emulated) or --compile-only")
+    return Mode(prof, present.name, present.profile or "unknown", _target_of(present), True, False, run_prof)
+
+
+@dataclass
+class SweepRequest:
+    kernel: str
+    device: str
+    dsls: list[str] | None = None          # None: every lane of the kernel
+    shapes: list[str] | None = None        # None: the kernel's default shapes
+    trials: int = 40                       # measured candidates per (DSL, shape), resumed studies included
+    timeout_s: float = 300.0               # per candidate (compile + parity + timing)
+    sampler: str = "tpe"
+    seed: int = 0
+    storage: str | None = None
+    emulate: bool = False
+    compile_only: bool = False
+    results_dir: Path = Path("results")
+    prefetch: int = 2                      # candidates compiled ahead while the GPU times the current one
+    compile_workers: int = 2
+    baseline: bool = True                  # add the baseline lane (torch) when it is not in dsls
+    confirm: bool = True                   # re-time best configs A B A B against the baseline at the end
+    progress: bool = True
+    timing: dict = field(default_factory=dict)  # overrides for lab.timing.bench
+
+
+def _sampler(name: str, seed: int, params: dict):
+    import optuna
+    if name == "tpe":
+        # Constraints come from Trial.set_constraint (Optuna 5): non-ok outcomes are violations.
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=8, multivariate=True,
+                                          warn_independent_sampling=False)
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if name == "grid":
+        return optuna.samplers.GridSampler(params or {"_": [0]}, seed=seed)
+    raise LabError(f"unknown sampler {name!r} (known: tpe, random, grid)")
+
+
+def _versions(lane: registry.Lane) -> dict:
+    v = dict(lane.module.versions())
+    v["python"] = platform.python_version()
+    try:
+        import optuna
+        v["optuna"] = optuna.__version__
+    except ImportError:
+        pass
+    return v
+
+
+def _distributions(space: space_mod.Space):
+    import optuna
+    return {k: optuna.distributions.CategoricalDistribution(v) for k, v in space.params.items()}
+
+
+def _fail_dead_trials(study) -> None:
+    """Trials left RUNNING by a killed sweep on this host are marked FAIL (other hosts' are left alone)."""
+    import optuna
+    host = socket.gethostname()
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        if t.user_attrs.get("host") != host:
+            continue
+        pid = t.user_attrs.get("pid")
+        try:
+            alive = bool(pid) and pid != os.getpid() and (os.kill(pid, 0) is None)
+        except OSError:
+            alive = False
+        if not alive:
+            study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
+
+
+class Sweep:
+    def __init__(self, req: SweepRequest, mode: Mode, runner=None, out=print):
+        self.req, self.mode, self.out = req, mode, out
+        self.problem = problems.get(req.kernel)
+        self.shapes_all, default = space_mod.load_shapes(req.kernel)
+        names = req.shapes or default
+        for n in names:
+            if n not in self.shapes_all:
+                raise LabError(f"unknown shape {n!r} for {req.kernel} (known: {', '.join(self.shapes_all)})")
+        self.shape_names = names
+        for n in names:
+            self.problem.check_shape(self.shapes_all[n])
+        self.lanes = self._select_lanes()
+        tag = f"{req.kernel}-{req.device}" + ("-emulated" if mode.emulated else "") + ("-compile" if mode.compile_only else "")
+        self.run_id = new_run_id(tag)
+        self.dir = Path(req.results_dir) / req.device / req.kernel
+        self.writer = RunWriter(self.dir, self.run_id)
+        self.storage = req.storage or f"sqlite:///{(self.dir / 'optuna.db').resolve()}"
+        self.commit, self.dirty = git_state()
+        l2 = 0
+        if mode.run_profile and mode.run_profile.l2_bytes:
+            l2 = mode.run_profile.l2_bytes
+        self.l2_bytes = l2
+        self.runner = runner
+        self.summary: list[dict] = []
+
+    def _select_lanes(self) -> list[registry.Lane]:
+        req = self.req
+        if req.dsls:
+            lanes = [registry.get(d, req.kernel) for d in req.dsls]
+            if req.baseline:
+                lanes += [l for l in registry.lanes_for(req.kernel)
+                          if l not in lanes and l.import_error is None and _safe_baseline(l)]
+        else:
+            lanes = registry.lanes_for(req.kernel)
+        # Baseline first so its row exists when the others are compared with it.
+        return sorted(lanes, key=lambda l: (not _safe_baseline(l), l.dsl))
+
+    # -- rows -------------------------------------------------------------------------------------
+    def _row(self, lane, shape_name, shape, config, trial, status, verdict=None, result=None,
+             versions=None, phase="sweep", study="") -> dict:
+        result = result or {}
+        v = verdict or preflight.Verdict(status == "ok")
+        run_prof = self.mode.run_profile
+        t = result.get("time_ms")
+        flops, nbytes = self.problem.flops(shape), self.problem.bytes_moved(shape)
+        tflops = flops / (t * 1e-3) / 1e12 if t else None
+        gbs = nbytes / (t * 1e-3) / 1e9 if t else None
+        c0, c1 = result.get("sm_clock_start_mhz"), result.get("sm_clock_end_mhz")
+        return {
+            "run_id": self.run_id, "time_utc": now_utc(), "git_commit": self.commit, "git_dirty": self.dirty,
+            "kernel": self.req.kernel, "dsl": lane.dsl, "baseline": _safe_baseline(lane), "shape": shape_name,
+            "shape_json": json.dumps(shape, sort_keys=True), "dtype": shape.get("dtype"),
+            "config_json": json.dumps(config, sort_keys=True), "phase": phase, "trial": trial,
+            "requested_profile": self.req.device, "actual_gpu": self.mode.actual_gpu,
+            "actual_profile": self.mode.actual_profile, "preflight_target": self.mode.requested.target,
+            "compile_target": self.mode.run_target or self.mode.requested.target,
+            "emulated": self.mode.emulated, "compile_only": self.mode.compile_only,
+            "status": status, "error": result.get("error") or (v.reason if status != "ok" else ""),
+            "smem_estimate_bytes": v.smem_estimate, "smem_compiled_bytes": v.smem_compiled,
+            "smem_limit_bytes": v.smem_limit, "smem_launched_bytes": result.get("launch_smem_bytes"),
+            "registers": result.get("launch_registers", v.registers), "spills": result.get("launch_spills"),
+            "parity_json": json.dumps(result.get("parity", {})), "parity_rel_l2": result.get("parity_rel_l2"),
+            "parity_rel_max": result.get("parity_rel_max"), "tol_rel_l2": result.get("tol_rel_l2"),
+            "tol_rel_max": result.get("tol_rel_max"), "parity_shapes": ",".join(result.get("parity_shapes", [])),
+            "time_ms": t, "time_q1_ms": result.get("time_q1_ms"), "time_q3_ms": result.get("time_q3_ms"),
+            "time_iqr_ms": result.get("time_iqr_ms"), "time_ci_half_ms": result.get("time_ci_half_ms"),
+            "samples": result.get("samples"), "samples_ms": result.get("samples_ms"),
+            "timing_stop": result.get("timing_stop"), "graph_ms": result.get("graph_ms"),
+            "tflops": tflops, "gbs": gbs,
+            "pct_peak_tflops": 100 * tflops / run_prof.bf16_tflops if tflops and run_prof and run_prof.bf16_tflops else None,
+            "pct_peak_bw": 100 * gbs / run_prof.mem_bw_gbs if gbs and run_prof and run_prof.mem_bw_gbs else None,
+            "compile_s": result.get("compile_s"), "preflight_compile_s": v.compile_s,
+            "sm_clock_start_mhz": c0, "sm_clock_end_mhz": c1,
+            "clock_drift": bool(c0 and c1 and abs(c1 - c0) / c0 > 0.10),
+            "versions_json": json.dumps(versions or {}, sort_keys=True), "seed": self.req.seed,
+            "sampler": self.req.sampler, "study": study,
+        }
+
+    # -- main loop --------------------------------------------------------------------------------
+    def run(self) -> list[dict]:
+        req = self.req
+        pool = preflight.CompilePool(req.compile_workers if req.prefetch > 0 else 0)
+        if self.runner is None and not self.mode.compile_only:
+            env = preflight.dsl_cache_env("all", self.mode.run_target or "none")
+            self.runner = WorkerRunner("cuda", env={k: v for k, v in env.items()})
+        try:
+            for shape_name in self.shape_names:
+                shape = dict(self.shapes_all[shape_name])
+                best: dict[str, tuple] = {}
+                for lane in self.lanes:
+                    got = self._sweep_lane(lane, shape_name, shape, pool)
+                    if got:
+                        best[lane.dsl] = got
+                if req.confirm and not self.mode.compile_only and len(best) > 1:
+                    self._confirm(shape_name, shape, best)
+        finally:
+            pool.close()
+            if self.runner is not None and hasattr(self.runner, "close"):
+                self.runner.close()
+        return self.summary
+
+    def _eligible(self, lane) -> registry.Eligibility:
+        e = lane.eligibility(self.mode.requested.target)
+        if e.ok and self.mode.run_target and self.mode.run_target != self.mode.requested.target:
+            e2 = lane.eligibility(self.mode.run_target)
+            if not e2.ok:
+                return registry.Eligibility(e2.code, f"on the GPU that runs ({self.mode.run_target}): {e2.reason}")
+        return e
+
+    def _sweep_lane(self, lane, shape_name, shape, pool):
+        import optuna
+        req = self.req
+        elig = self._eligible(lane)
+        if not elig.ok:
+            self.writer.add(self._row(lane, shape_name, shape, {}, -1, "infeasible",
+                                      preflight.Verdict(False, str(elig), "eligibility"), phase="eligibility"))
+            self.out(f"{lane.dsl:8s} {shape_name}: {elig}")
+            self.summary.append({"dsl": lane.dsl, "shape": shape_name, "note": str(elig)})
+            return None
+        mod = lane.module
+        space = space_mod.load_space(req.kernel, lane.dsl, tuple(mod.TUNABLES))
+        versions = _versions(lane)
+        vhash = hashlib.sha1(json.dumps(versions, sort_keys=True).encode()).hexdigest()[:8]
+        shape_tag = hashlib.sha1(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:6]
+        study_name = (f"{req.kernel}|{lane.dsl}|{shape_name}-{shape_tag}|req={req.device}|gpu={self.mode.actual_profile}"
+                      f"|emu={int(self.mode.emulated)}|co={int(self.mode.compile_only)}|tc={vhash}")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        try:
+            study = optuna.create_study(study_name=study_name, storage=self.storage, direction="minimize",
+                                        sampler=_sampler(req.sampler, req.seed, space.params), load_if_exists=True)
+        except (ValueError, ImportError) as exc:
+            raise LabError(f"cannot open study storage {self.storage}: {exc}") from None
+        _fail_dead_trials(study)
+        if not study.get_trials(deepcopy=False):
+            for seed_cfg in space.seeds:  # known-good starting points from the sweep file
+                study.enqueue_trial(seed_cfg, skip_if_exists=True)
+        dists = _distributions(space)
+        measured: dict[str, float] = {}
+        for t in study.get_trials(deepcopy=False):
+            if t.user_attrs.get("measured") and t.state == optuna.trial.TrialState.COMPLETE:
+                measured[t.user_attrs["config_key"]] = t.value
+        feasible_total = sum(1 for c in space.configs()
+                             if preflight.cheap_checks(lane, space, lane.full_config(c), shape, self.mode.requested).feasible)
+        target = min(req.trials, feasible_total)
+        done0 = len(measured)
+        bar = _progress(req.progress, total=target, initial=min(done0, target), desc=f"{lane.dsl} {shape_name}")
+        queue: deque = deque()
+        pending: set[str] = set()
+        stale = 0
+        counts: dict[str, int] = {}
+        best_val = min(measured.values(), default=None)
+        best_val = best_val if best_val is not None and best_val < PENALTY_MS else None
+        rejected_by_compile: set[str] = set()
+        rejected_cheap: set[str] = set()
+
+        def tell(trial, value, status, key, measured_flag):
+            trial.set_user_attr("status", status)
+            trial.set_user_attr("config_key", key)
+            trial.set_user_attr("measured", measured_flag)
+            trial.set_constraint("ok", 0.0 if status == "ok" else 1.0)
+            study.tell(trial, value)
+
+        while len(measured) + len(rejected_by_compile) < feasible_total and len(measured) < target:
+            # Fill the look-ahead queue: proposals go through the cheap checks now, compiles in the pool.
+            while len(queue) <= req.prefetch and stale < STALE_STREAK:
+                trial = study.ask(dists)
+                trial.set_user_attr("host", socket.gethostname())
+                trial.set_user_attr("pid", os.getpid())
+                cfg = lane.full_config(dict(trial.params))
+                key = space_mod.config_key(cfg)
+                if key in measured or key in pending or key in rejected_by_compile or key in rejected_cheap:
+                    stale += 1
+                    if key in measured:
+                        tell(trial, measured[key], "duplicate", key, False)
+                    else:
+                        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                    continue
+                cheap = preflight.cheap_checks(lane, space, cfg, shape, self.mode.requested)
+                if not cheap.feasible:
+                    stale += 1
+                    self.writer.add(self._row(lane, shape_name, shape, cfg, trial.number, "infeasible", cheap,
+                                              versions=versions, study=study_name))
+                    counts["infeasible"] = counts.get("infeasible", 0) + 1
+                    rejected_cheap.add(key)
+                    tell(trial, PENALTY_MS, "infeasible", key, False)
+                    continue
+                pending.add(key)
+                queue.append((trial, cfg, key, pool.submit(lane, space, cfg, shape, self.mode.requested)))
+            if not queue:
+                self.out(f"{lane.dsl:8s} {shape_name}: no new feasible config proposed in {STALE_STREAK} tries; stopping")
+                break
+            trial, cfg, key, fut = queue.popleft()
+            pending.discard(key)
+            verdict = preflight.Verdict(**fut.result())
+            if not verdict.feasible:
+                status = "compile_error" if verdict.stage == "compile_error" else "infeasible"
+                self.writer.add(self._row(lane, shape_name, shape, cfg, trial.number, status, verdict,
+                                          versions=versions, study=study_name))
+                counts[status] = counts.get(status, 0) + 1
+                rejected_by_compile.add(key)
+                tell(trial, PENALTY_MS, status, key, status == "compile_error")
+                if status == "compile_error":
+                    measured[key] = PENALTY_MS
+                    bar.update(1)
+                continue
+            stale = 0
+            if self.mode.compile_only:
+                result, status = {}, "compiled"
+            else:
+                task = {"kind": "trial", "kernel": req.kernel, "dsl": lane.dsl, "config": cfg, "shape": shape,
+                        "seed": req.seed * 100003 + trial.number, "l2_bytes": self.l2_bytes, "timing": req.timing}
+                result = self.runner.run(task, req.timeout_s)
+                status = result["status"]
+            self.writer.add(self._row(lane, shape_name, shape, cfg, trial.number, status, verdict, result,
+                                      versions=versions, study=study_name))
+            counts[status] = counts.get(status, 0) + 1
+            value = result.get("time_ms") if status == "ok" else PENALTY_MS
+            tell(trial, value, status, key, True)
+            measured[key] = value
+            if status == "ok" and (best_val is None or value < best_val):
+                best_val = value
+            bar.update(1)
+            bar.set_postfix_str(f"best {best_val:.4f} ms" if best_val else "best -", refresh=False)
+        for trial, *_ in queue:
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        bar.close()
+        ok = {k: v for k, v in measured.items() if v < PENALTY_MS}
+        summary = {"dsl": lane.dsl, "shape": shape_name, "measured": len(measured), "counts": counts,
+                   "best_ms": min(ok.values()) if ok else None, "study": study_name}
+        self.summary.append(summary)
+        self.out(f"{lane.dsl:8s} {shape_name}: {len(measured)} measured ({len(measured) - done0} new), "
+                 f"{', '.join(f'{k} {v}' for k, v in sorted(counts.items())) or 'nothing new'}; best "
+                 f"{summary['best_ms']:.4f} ms" if ok else f"{lane.dsl:8s} {shape_name}: no ok trial "
+                 f"({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))})")
+        if not ok:
+            return None
+        best_key = min(ok, key=ok.get)
+        return (lane, json.loads(best_key), versions, study_name)
+
+    def _confirm(self, shape_name, shape, best: dict):
+        """Re-time each lane's best config alternately (A B A B ...) in one worker; rows phase=confirm."""
+        import statistics
+        from lab.timing import median_ci, quartiles
+        entries = list(best.values())
+        task = {"kind": "abab", "kernel": self.req.kernel, "shape": shape, "seed": self.req.seed + 7,
+                "lanes": [(lane.dsl, cfg) for lane, cfg, _, _ in entries], "rounds": 4,
+                "l2_bytes": self.l2_bytes, "timing": {**self.req.timing, "budget_ms": 1500.0}}
+        result = self.runner.run(task, self.req.timeout_s * 2)
+        if result.get("status") != "ok":
+            self.out(f"confirm {shape_name}: {result.get('status')}: {result.get('error', '')[:200]}")
+            return
+        for (lane, cfg, versions, study), samples in zip(entries, result["samples"]):
+            med, lo, hi = median_ci(samples)
+            q1, q3 = quartiles(samples)
+            res = {"time_ms": med, "time_q1_ms": q1, "time_q3_ms": q3, "time_iqr_ms": q3 - q1,
+                   "time_ci_half_ms": (hi - lo) / 2, "samples": len(samples), "samples_ms": samples,
+                   "timing_stop": "abab"}
+            self.writer.add(self._row(lane, shape_name, shape, cfg, -1, "ok", None, res, versions=versions,
+                                      phase="confirm", study=study))
+            self.out(f"confirm  {shape_name}: {lane.dsl:8s} {med:.4f} ms (IQR {q3 - q1:.4f}, n={len(samples)}, "
+                     f"{statistics.mean(samples):.4f} mean)")
+
+
+def _safe_baseline(lane) -> bool:
+    try:
+        return lane.is_baseline
+    except LabError:
+        return False
+
+
+class _NoBar:
+    def update(self, n=1): pass
+    def set_postfix_str(self, s, refresh=True): pass
+    def close(self): pass
+
+
+def _progress(enabled: bool, **kw):
+    if not enabled:
+        return _NoBar()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(unit="trial", dynamic_ncols=True, **kw)
+
+
+def run(req: SweepRequest, present: PresentGPU | None, runner=None, out=print) -> tuple[Sweep, list[dict]]:
+    mode = resolve_mode(req.device, present, req.emulate, req.compile_only)
+    sweep = Sweep(req, mode, runner=runner, out=out)
+    if mode.emulated:
+        out(f"EMULATED: configs limited to the {req.device} envelope (SMEM <= {mode.requested.smem_optin_bytes} B, "
+            f"preflight compile for {mode.requested.target}); timings from {mode.actual_gpu}; rows marked emulated")
+    return sweep, sweep.run()

@@ -1,0 +1,169 @@
+"""Timing one kernel call: L2 flushed before every sample, one event pair per call, adaptive stop.
+
+All times are milliseconds. On a CUDA device each sample is bracketed by its own CUDA event pair
+after a write of a buffer twice the device's L2 size (read from the device); on the CPU the host
+clock is used (tests, and the torch lane on CPU). Sampling stops when the 95% confidence interval
+of the median (order statistics) is narrower than ``rel_ci`` of the median, or at the budget.
+Calls under ~20 us are also timed as CUDA-graph replays, with the flush's own cost subtracted.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    q1_ms: float
+    q3_ms: float
+    ci_half_ms: float        # half-width of the 95% CI of the median
+    samples_ms: list[float] = field(default_factory=list)
+    stop: str = ""           # "converged", "budget" or "max_samples"
+    graph_ms: float | None = None
+    graph_note: str = ""
+
+    @property
+    def iqr_ms(self) -> float:
+        return self.q3_ms - self.q1_ms
+
+    @property
+    def n(self) -> int:
+        return len(self.samples_ms)
+
+
+def median_ci(samples: list[float]) -> tuple[float, float, float]:
+    """(median, lower, upper) with a distribution-free 95% CI from binomial order statistics."""
+    xs = sorted(samples)
+    n = len(xs)
+    med = statistics.median(xs)
+    half = 1.96 * math.sqrt(n) / 2
+    lo = max(0, int(math.floor(n / 2 - half)))
+    hi = min(n - 1, int(math.ceil(n / 2 + half)))
+    return med, xs[lo], xs[hi]
+
+
+def quartiles(samples: list[float]) -> tuple[float, float]:
+    if len(samples) < 2:
+        return samples[0], samples[0]
+    q = statistics.quantiles(samples, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def gpu_clocks() -> dict:
+    """Current SM and memory clocks in MHz via nvidia-smi (empty when unavailable)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem", "--format=csv,noheader,nounits",
+                              "-i", "0"], capture_output=True, text=True, timeout=10).stdout.strip()
+        sm, mem = (float(x) for x in out.splitlines()[0].split(","))
+        return {"sm_mhz": sm, "mem_mhz": mem}
+    except Exception:
+        return {}
+
+
+class _Clock:
+    """Per-sample timer: CUDA events on a GPU, perf_counter on the CPU."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+
+    def sample(self, flush, fn) -> object:
+        if self.cuda:
+            flush()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            return start, end
+        flush()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    def resolve(self, pending: list) -> list[float]:
+        if not self.cuda:
+            return pending
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) for s, e in pending]
+
+
+def bench(fn, device: str = "cuda", l2_bytes: int = 0, warmup_ms: float = 25.0, rel_ci: float = 0.01,
+          min_samples: int = 10, max_samples: int = 2000, budget_ms: float = 3000.0,
+          graph_below_ms: float = 0.02) -> Timing:
+    """Time ``fn()`` (which launches the work). See the module docstring for the method."""
+    clock = _Clock(device)
+    flush_buf = None
+    if clock.cuda and l2_bytes > 0:
+        flush_buf = torch.empty(2 * l2_bytes, dtype=torch.uint8, device=device)
+
+    def flush():
+        if flush_buf is not None:
+            flush_buf.zero_()
+
+    # Time-based warm-up: compilation, module load and clocks ramping stay out of the samples.
+    t_end = time.perf_counter() + warmup_ms / 1e3
+    fn()
+    while time.perf_counter() < t_end:
+        fn()
+    if clock.cuda:
+        torch.cuda.synchronize()
+
+    samples: list[float] = []
+    deadline = time.perf_counter() + budget_ms / 1e3
+    batch, stop = 5, "max_samples"
+    while len(samples) < max_samples:
+        samples += clock.resolve([clock.sample(flush, fn) for _ in range(batch)])
+        if len(samples) >= min_samples:
+            med, lo, hi = median_ci(samples)
+            if med > 0 and (hi - lo) / 2 <= rel_ci * med:
+                stop = "converged"
+                break
+        if time.perf_counter() > deadline:
+            stop = "budget"
+            break
+        batch = min(50, batch * 2)
+    med, lo, hi = median_ci(samples)
+    q1, q3 = quartiles(samples)
+    timing = Timing(med, q1, q3, (hi - lo) / 2, samples, stop)
+    if clock.cuda and med < graph_below_ms:
+        timing.graph_ms, timing.graph_note = _graph_time(fn, flush)
+    return timing
+
+
+def _graph_time(fn, flush, reps: int = 50) -> tuple[float | None, str]:
+    """Per-call time from CUDA-graph replays of (flush, fn) x reps minus flush x reps."""
+    try:
+        stream = torch.cuda.Stream()
+        graphs = []
+        for with_fn in (True, False):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(stream):
+                fn()  # warm the allocator/launcher on the capture stream
+                torch.cuda.synchronize()
+                with torch.cuda.graph(g, stream=stream):
+                    for _ in range(reps):
+                        flush()
+                        if with_fn:
+                            fn()
+            graphs.append(g)
+        times = []
+        for g in graphs:
+            g.replay()
+            torch.cuda.synchronize()
+            runs = []
+            for _ in range(5):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                g.replay()
+                e.record()
+                torch.cuda.synchronize()
+                runs.append(s.elapsed_time(e))
+            times.append(statistics.median(runs))
+        return max(0.0, (times[0] - times[1]) / reps), f"graph of {reps} calls, flush subtracted"
+    except Exception as exc:  # capture unsupported by the lane: say so, keep the event timing
+        return None, f"graph capture failed: {type(exc).__name__}: {exc}"[:200]

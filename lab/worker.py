@@ -1,0 +1,226 @@
+"""Run candidates in a separate process that can be killed and replaced.
+
+A compile error, an illegal memory access (which poisons the CUDA context), a hang or a wrong
+answer in one candidate is recorded with its status and never takes the sweep down.
+
+``execute(task)`` is what the worker process does for one task (also callable in-process);
+``WorkerRunner`` owns the process, applies the timeout and restarts it after a timeout or crash.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+import traceback
+
+STATUSES = ("ok", "infeasible", "compile_error", "runtime_error", "timeout", "wrong_result", "compiled")
+
+# Substrings of errors after which the CUDA context can no longer be trusted.
+_STICKY = ("illegal memory access", "misaligned address", "unspecified launch failure", "illegal instruction",
+           "device-side assert", "CUDA error", "an illegal", "hardware exception")
+
+
+def _sync(device: str):
+    import torch
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _classify(exc: BaseException, phase: str) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    if any(s.lower() in text.lower() for s in _STICKY):
+        return "runtime_error"
+    return "compile_error" if phase == "compile" else "runtime_error"
+
+
+def _err_text(exc: BaseException) -> str:
+    lines = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    return " | ".join(lines[:3] + (["..."] if len(lines) > 6 else []) + lines[-3:] if len(lines) > 6 else lines)[:1500]
+
+
+def _parity_at(problem, run, shape, device, seed, tol):
+    from lab import parity
+    inputs = problem.make_inputs(shape, device, seed)
+    outputs = problem.alloc_outputs(shape, device)
+    run(inputs, outputs)
+    _sync(device)
+    ref = problem.reference(inputs, shape)
+    ok, errors = parity.compare(outputs, ref, tol)
+    return ok, errors
+
+
+def run_trial(task: dict) -> dict:
+    """Build, parity-check (timed shape + the problem's extra ragged shapes) and time one config."""
+    from lab import parity, problems, registry, timing
+
+    device = task.get("device", "cuda")
+    os.environ.update(task.get("env", {}))
+    problem = problems.get(task["kernel"])
+    lane = registry.get(task["dsl"], task["kernel"])
+    mod = lane.module
+    config, shape, seed = task["config"], task["shape"], task["seed"]
+    tol = problem.tolerance(shape)
+    out: dict = {"tol_rel_l2": tol.rel_l2, "tol_rel_max": tol.rel_max}
+    phase = "compile"
+    try:
+        run = mod.build(config, shape)
+        inputs = problem.make_inputs(shape, device, seed)
+        outputs = problem.alloc_outputs(shape, device)
+        t0 = time.perf_counter()
+        info = run(inputs, outputs)  # first call: JIT compile + launch
+        _sync(device)
+        out["compile_s"] = time.perf_counter() - t0
+        if isinstance(info, dict):
+            out.update({f"launch_{k}": v for k, v in info.items()})
+        phase = "parity"
+        ref = problem.reference(inputs, shape)
+        ok, errors = parity.compare(outputs, ref, tol)
+        out["parity"] = {k: vars(v) for k, v in errors.items()}
+        out["parity_rel_l2"] = max(e.rel_l2 for e in errors.values())
+        out["parity_rel_max"] = max(e.rel_max for e in errors.values())
+        if not ok:
+            return {**out, "status": "wrong_result", "error": parity.describe_failure(errors, tol, "timed shape")}
+        checked = ["timed"]
+        for i, pshape in enumerate(problem.parity_shapes(shape)):
+            if mod.config_reason(config, pshape):
+                continue  # this config does not apply at that shape; the timed shape still counts
+            prun = mod.build(config, pshape)
+            ok, errors = _parity_at(problem, prun, pshape, device, seed + 1 + i, tol)
+            where = "x".join(str(pshape[d]) for d in problem.dims)
+            checked.append(where)
+            if not ok:
+                return {**out, "status": "wrong_result", "error": parity.describe_failure(errors, tol, where)}
+        out["parity_shapes"] = checked
+        if task.get("no_timing"):
+            return {**out, "status": "ok"}
+        phase = "timing"
+        # Timing inputs the parity run never saw; the last timed output is checked too.
+        t_inputs = problem.make_inputs(shape, device, seed + 1000)
+        t_outputs = problem.alloc_outputs(shape, device)
+        clocks0 = timing.gpu_clocks() if device.startswith("cuda") else {}
+        t = timing.bench(lambda: run(t_inputs, t_outputs), device=device, l2_bytes=task.get("l2_bytes", 0),
+                         **task.get("timing", {}))
+        clocks1 = timing.gpu_clocks() if device.startswith("cuda") else {}
+        ok, errors = parity.compare(t_outputs, problem.reference(t_inputs, shape), tol)
+        if not ok:
+            return {**out, "status": "wrong_result",
+                    "error": parity.describe_failure(errors, tol, "timed shape after timing (fresh inputs)")}
+        out.update(time_ms=t.median_ms, time_q1_ms=t.q1_ms, time_q3_ms=t.q3_ms, time_iqr_ms=t.iqr_ms,
+                   time_ci_half_ms=t.ci_half_ms, samples=t.n, samples_ms=t.samples_ms, timing_stop=t.stop,
+                   graph_ms=t.graph_ms, graph_note=t.graph_note,
+                   sm_clock_start_mhz=clocks0.get("sm_mhz"), sm_clock_end_mhz=clocks1.get("sm_mhz"))
+        return {**out, "status": "ok"}
+    except Exception as exc:
+        status = _classify(exc, phase)
+        return {**out, "status": status, "error": f"[{phase}] {_err_text(exc)}",
+                "traceback": traceback.format_exc()[-4000:],
+                "sticky": any(s.lower() in str(exc).lower() for s in _STICKY)}
+
+
+def run_abab(task: dict) -> dict:
+    """Re-time several (dsl, config) lanes alternately, A B A B, to compare them under the same
+    conditions; returns per-lane samples pooled over ``rounds``."""
+    from lab import problems, registry, timing
+    device = task.get("device", "cuda")
+    os.environ.update(task.get("env", {}))
+    problem = problems.get(task["kernel"])
+    shape = task["shape"]
+    inputs = problem.make_inputs(shape, device, task["seed"])
+    runs = []
+    for dsl, config in task["lanes"]:
+        run = registry.get(dsl, task["kernel"]).module.build(config, shape)
+        outputs = problem.alloc_outputs(shape, device)
+        runs.append(lambda run=run, o=outputs: run(inputs, o))
+    pooled: list[list[float]] = [[] for _ in runs]
+    for _ in range(task.get("rounds", 4)):
+        for i, fn in enumerate(runs):
+            t = timing.bench(fn, device=device, l2_bytes=task.get("l2_bytes", 0), **task.get("timing", {}))
+            pooled[i] += t.samples_ms
+    return {"status": "ok", "samples": pooled}
+
+
+def execute(task: dict) -> dict:
+    if task.get("kind") == "abab":
+        return run_abab(task)
+    return run_trial(task)
+
+
+def _serve(conn):
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:
+            return
+        if task is None:
+            return
+        result = execute(task)
+        conn.send(result)
+        if result.get("sticky"):
+            return  # the CUDA context is poisoned: exit, the parent starts a fresh worker
+
+
+class WorkerRunner:
+    """One persistent worker process; ``run(task, timeout_s)`` returns the result dict."""
+
+    def __init__(self, device: str = "cuda", env: dict | None = None):
+        self.device = device
+        self.env = env or {}
+        self.ctx = mp.get_context("spawn")
+        self.proc = None
+        self.conn = None
+        self.restarts = 0
+
+    def _start(self):
+        parent, child = self.ctx.Pipe()
+        old = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+        try:
+            self.proc = self.ctx.Process(target=_serve, args=(child,), daemon=True)
+            self.proc.start()
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        child.close()
+        self.conn = parent
+
+    def _kill(self):
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.join(10)
+        self.proc, self.conn = None, None
+        self.restarts += 1
+
+    def run(self, task: dict, timeout_s: float) -> dict:
+        if self.proc is None or not self.proc.is_alive():
+            self._start()
+        task = {**task, "device": self.device}
+        t0 = time.perf_counter()
+        try:
+            self.conn.send(task)
+            if not self.conn.poll(timeout_s):
+                self._kill()
+                return {"status": "timeout", "error": f"no result within {timeout_s:g} s (worker killed)"}
+            result = self.conn.recv()
+        except (EOFError, BrokenPipeError, ConnectionResetError, OSError):
+            code = self.proc.exitcode if self.proc else None
+            self._kill()
+            return {"status": "runtime_error", "error": f"worker process died (exit code {code})"}
+        result["wall_s"] = time.perf_counter() - t0
+        if result.get("sticky"):
+            self._kill()
+        return result
+
+    def close(self):
+        if self.conn is not None:
+            try:
+                self.conn.send(None)
+            except Exception:
+                pass
+        if self.proc is not None:
+            self.proc.join(5)
+            if self.proc.is_alive():
+                self.proc.kill()
+        self.proc = self.conn = None

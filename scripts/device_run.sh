@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Run lab commands on the lent GPU machine in one call, logging under $OUT.
+#   bash scripts/device_run.sh 'sweep gemm --device h100 --dsl all' 'sweep gemm --device gb10 --emulate'
+# Each argument is one `python -m lab ...` command line. Carry .whl (wheels of the packages the
+# image lacks: optuna and its needs, see README "Running on the GPU machine"); when the DSL parts of
+# ../shared/gpu/pack.sh were unpacked on this warm machine, /opt/labsite/env.sh is sourced too.
+# results/ is packed into $OUT/results.tgz at the end (also after a failing command).
+set -uo pipefail
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 LAB_CACHE_DIR="${LAB_CACHE_DIR:-/tmp/labcache}"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed" >&2; exit 3; }
+  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+[ -f /opt/labsite/env.sh ] && source /opt/labsite/env.sh
+{
+  date -u +%FT%TZ
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
+  python3 -c 'import torch, triton, optuna; print("torch", torch.__version__, "triton", triton.__version__, "optuna", optuna.__version__)'
+  python3 -m lab devices
+} 2>&1 | tee "$OUT/env.txt"
+rc=0
+i=0
+for cmd in "$@"; do
+  i=$((i + 1))
+  echo "=== [$i] python -m lab $cmd" | tee -a "$OUT/log.txt"
+  # No progress bar in logs: tqdm redraws would fill the reply's tail.
+  extra=""; case "$cmd" in sweep*) extra="--no-progress";; esac
+  python3 -m lab $cmd $extra 2>&1 | tee -a "$OUT/log.txt"
+  r=${PIPESTATUS[0]}
+  echo "=== [$i] exit $r" | tee -a "$OUT/log.txt"
+  [ "$r" -ne 0 ] && rc=$r
+done
+tar czf "$OUT/results.tgz" results
+exit $rc
