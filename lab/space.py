@@ -81,6 +81,9 @@ class Space:
                     raise LabError(f"restriction {rule!r} in {self.source} names unknown param {node.id!r}")
             self._compiled.append((rule, compile(tree, self.source or "<rule>", "eval")))
 
+    def __reduce__(self):  # compiled rules are code objects: rebuild them in the receiving process
+        return (Space, (self.params, self.rules, self.source, self.seeds))
+
     def rule_reason(self, config: dict) -> str | None:
         """The first restriction ``config`` breaks, or None."""
         for rule, code in self._compiled:

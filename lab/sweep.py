@@ -92,8 +92,7 @@ def _sampler(name: str, seed: int, params: dict):
     import optuna
     if name == "tpe":
         # Constraints come from Trial.set_constraint (Optuna 5): non-ok outcomes are violations.
-        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=8, multivariate=True,
-                                          warn_independent_sampling=False)
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=8, multivariate=True)
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if name == "grid":

@@ -33,7 +33,7 @@ def _tile_coords(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
     per_group = GROUP_M * tiles_n
     group = pid // per_group
     first_m = group * GROUP_M
-    rows = min(tiles_m - first_m, GROUP_M)
+    rows = tl.minimum(tiles_m - first_m, GROUP_M)
     tile_m = first_m + (pid % per_group) % rows
     tile_n = (pid % per_group) // rows
     return tile_m, tile_n
@@ -56,7 +56,7 @@ def _gemm_ptr(a_ptr, b_ptr, c_ptr, M, N, K,
     a_tile = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak
     b_tile = b_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, tl.cdiv(K, BLOCK_K)):
+    for k0 in tl.range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k0 * BLOCK_K
         a = tl.load(a_tile, mask=row_ok & (ks[None, :] < k_left), other=0.0)
         b = tl.load(b_tile, mask=(ks[:, None] < k_left) & col_ok, other=0.0)
@@ -76,7 +76,7 @@ def _gemm_tma(a_desc, b_desc, c_desc, M, N, K,
     off_m = tile_m * BLOCK_M
     off_n = tile_n * BLOCK_N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, tl.cdiv(K, BLOCK_K)):
+    for k0 in tl.range(0, tl.cdiv(K, BLOCK_K)):
         a = a_desc.load([off_m, k0 * BLOCK_K])
         b = b_desc.load([k0 * BLOCK_K, off_n])
         acc = tl.dot(a, b, acc)
