@@ -1,10 +1,11 @@
 """Triton GEMM lane: C = A @ B with fp32 accumulation, C in the input dtype.
 
-Two load paths, chosen by the tunable ``LOAD``:
+Three load paths, chosen by the tunable ``LOAD``:
   * ``ptr``: pointer arithmetic with masks (cp.async pipelining on sm_80+, wgmma on sm_90a);
   * ``tma``: host-built tensor descriptors (TMA bulk copies on sm_90a+; out-of-bounds tiles are
     zero-filled by the copy engine, so ragged shapes need no masks). TMA needs 16-byte aligned row
-    strides, so K and N must be multiples of 8 for 2-byte dtypes.
+    strides, so K and N must be multiples of 8 for 2-byte dtypes;
+  * ``tma_persistent``: the TMA path with one program per SM looping over output tiles.
 Tile order is grouped (``GROUP_M`` tile-rows share a band of B) for L2 reuse.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ DEFAULTS = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_wa
             "num_stages": 3, "LOAD": "ptr"}
 TARGETS = ("sm_80", "sm_90a", "sm_100a", "sm_120a", "sm_121a")
 DTYPES = ("float16", "bfloat16", "float32")
+LOADS = ("ptr", "tma", "tma_persistent")
 _TL_NAME = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
 
@@ -83,6 +85,26 @@ def _gemm_tma(a_desc, b_desc, c_desc, M, N, K,
     c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
 
 
+@triton.jit
+def _gemm_tma_persistent(a_desc, b_desc, c_desc, M, N, K, NUM_PROGS,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr):
+    # One program per SM walks the tiles with stride NUM_PROGS; flattening the tile and K loops
+    # lets the pipeliner prefetch the next tile's operands during the current tile's epilogue.
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), tiles, NUM_PROGS, flatten=True):
+        tile_m, tile_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m = tile_m * BLOCK_M
+        off_n = tile_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, k_tiles):
+            a = a_desc.load([off_m, k0 * BLOCK_K])
+            b = b_desc.load([k0 * BLOCK_K, off_n])
+            acc = tl.dot(a, b, acc)
+        c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+
+
 def config_reason(config: dict, shape: dict) -> str | None:
     """Why ``config`` cannot run ``shape`` (None when it can). Pure arithmetic, no compile."""
     if shape["dtype"] not in DTYPES:
@@ -91,9 +113,9 @@ def config_reason(config: dict, shape: dict) -> str | None:
         v = config[key]
         if v < 16 or v & (v - 1):
             return f"{key}={v} must be a power of two >= 16"
-    if config["LOAD"] not in ("ptr", "tma"):
-        return f"LOAD={config['LOAD']!r} must be 'ptr' or 'tma'"
-    if config["LOAD"] == "tma":
+    if config["LOAD"] not in LOADS:
+        return f"LOAD={config['LOAD']!r} must be one of {', '.join(LOADS)}"
+    if config["LOAD"] != "ptr":
         elem = _elem_bytes(shape["dtype"])
         for dim in ("K", "N"):
             if (shape[dim] * elem) % 16:
@@ -110,8 +132,8 @@ def eligibility(target: str) -> str | None:
 
 def target_reason(config: dict, target: str) -> str | None:
     """Config rules that depend on the compile target."""
-    if config["LOAD"] == "tma" and _cc(target) < 90:
-        return f"LOAD=tma requires sm_90 or newer, target is {target}"
+    if config["LOAD"] != "ptr" and _cc(target) < 90:
+        return f"LOAD={config['LOAD']} requires sm_90 or newer, target is {target}"
     return None
 
 
@@ -129,7 +151,8 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
     The K loop keeps ``buffers`` copies of the A and B tiles: ``num_stages`` on sm_90/sm_100
     with BLOCK_M >= 64 (async MMA keeps one more tile in flight), else ``num_stages - 1``. The TMA path
     adds one 8-byte mbarrier per buffer and stages C through a BLOCK_M x BLOCK_N shared tile for
-    its TMA store, which reuses the operand buffers (the total is the larger of the two). The
+    its TMA store, which reuses the operand buffers (the total is the larger of the two), except
+    in the persistent kernel, where the flattened loop keeps both live (the sum). The
     model was fitted against AOT compiles for sm_90a, sm_100a and sm_121a (tests hold it to the
     compiler within 64 B).
     """
@@ -141,8 +164,10 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
     buffers = stages if async_mma else max(1, stages - 1)
     operands = buffers * (bm * bk + bk * bn) * elem
     blackwell_dc = async_mma and cc in (100, 103)  # tcgen05 path: extra MMA-completion barriers
-    if config["LOAD"] == "tma":
+    if config["LOAD"] != "ptr":
         barriers = (-(-8 * buffers // 16) * 16 + 16) if blackwell_dc else 8 * buffers
+        if config["LOAD"] == "tma_persistent":  # the C staging tile is live across the flattened loop
+            return operands + barriers + bm * bn * elem
         return max(operands + barriers, bm * bn * elem)
     return operands + ((16 if stages > 1 else 8) if blackwell_dc else 0)
 
@@ -150,11 +175,14 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
 def _signature(config: dict, shape: dict) -> tuple[object, dict, dict]:
     t = _TL_NAME[shape["dtype"]]
     consts = {k: config[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
-    if config["LOAD"] == "tma":
+    if config["LOAD"] != "ptr":
         bm, bn, bk = consts["BLOCK_M"], consts["BLOCK_N"], consts["BLOCK_K"]
         sig = {"a_desc": f"tensordesc<{t}[{bm}, {bk}]>", "b_desc": f"tensordesc<{t}[{bk}, {bn}]>",
                "c_desc": f"tensordesc<{t}[{bm}, {bn}]>", "M": "i32", "N": "i32", "K": "i32"}
         fn = _gemm_tma
+        if config["LOAD"] == "tma_persistent":
+            sig["NUM_PROGS"] = "i32"
+            fn = _gemm_tma_persistent
     else:
         # Unit strides are compile-time 1, as the JIT specializes them for contiguous tensors;
         # without that the loads cannot vectorize and the pipeliner keeps a single stage.
@@ -199,23 +227,54 @@ def build(config: dict, shape: dict):
     M, N, K = shape["M"], shape["N"], shape["K"]
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
 
-    if config["LOAD"] == "tma":
+    if config["LOAD"] != "ptr":
         from triton.tools.tensor_descriptor import TensorDescriptor
+        descs: dict = {}  # descriptors encode pointer, shape and strides: rebuilt when any changes
+
+        def desc(t, block):
+            key = (t.data_ptr(), tuple(t.shape), t.stride(), tuple(block))
+            if key not in descs:
+                descs[key] = TensorDescriptor.from_tensor(t, block)
+            return descs[key]
+
+        persistent = config["LOAD"] == "tma_persistent"
+        if persistent:
+            progs = min(grid[0], _num_sms())
+            grid = (progs,)
 
         def run(inputs, outputs):
             a, b, c = inputs["a"], inputs["b"], outputs["c"]
-            _gemm_tma[grid](TensorDescriptor.from_tensor(a, [bm, bk]),
-                            TensorDescriptor.from_tensor(b, [bk, bn]),
-                            TensorDescriptor.from_tensor(c, [bm, bn]), M, N, K,
-                            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, **launch)
+            args = (desc(a, [bm, bk]), desc(b, [bk, bn]), desc(c, [bm, bn]), M, N, K)
+            consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, **launch)
+            if persistent:
+                k = _gemm_tma_persistent[grid](*args, grid[0], **consts)
+            else:
+                k = _gemm_tma[grid](*args, **consts)
+            return _launch_info(k)
         return run
 
     def run(inputs, outputs):
         a, b, c = inputs["a"], inputs["b"], outputs["c"]
-        _gemm_ptr[grid](a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                        c.stride(0), c.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
-                        **launch)
+        k = _gemm_ptr[grid](a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+                            c.stride(0), c.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
+                            **launch)
+        return _launch_info(k)
     return run
+
+
+def _num_sms() -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).multi_processor_count
+    return 4  # interpreter on the CPU: a few programs still exercise the persistent loop
+
+
+def _launch_info(kernel) -> dict:
+    """Shared memory (bytes), registers per thread and spills of the kernel that was launched."""
+    meta = getattr(kernel, "metadata", None)
+    if meta is None:  # the interpreter returns no compiled kernel
+        return {}
+    return {"smem_bytes": int(meta.shared), "registers": getattr(kernel, "n_regs", None),
+            "spills": getattr(kernel, "n_spills", None)}
 
 
 def versions() -> dict:
