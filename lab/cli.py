@@ -79,15 +79,17 @@ def cmd_preflight(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from lab import sweep
-    dsls = None if args.dsl == "all" else [d.strip() for d in args.dsl.split(",")]
-    if dsls:
-        from lab import registry
-        for d in dsls:
-            registry.get(d, args.kernel)
-    from lab import problems
+    """Validates every name (kernel, DSLs, device, shapes) before looking at the GPU."""
+    from lab import problems, registry, space, sweep
     problems.get(args.kernel)
+    dsls = None if args.dsl == "all" else [d.strip() for d in args.dsl.split(",")]
+    for d in dsls or []:
+        registry.get(d, args.kernel)
     get_profile(args.device)
+    shapes, _ = space.load_shapes(args.kernel)
+    for n in args.shape or []:
+        if n not in shapes:
+            raise LabError(f"unknown shape {n!r} for {args.kernel} (known: {', '.join(shapes)})")
     req = sweep.SweepRequest(
         kernel=args.kernel, device=args.device, dsls=dsls, shapes=args.shape or None, trials=args.trials,
         timeout_s=args.timeout, sampler=args.sampler, seed=args.seed, storage=args.storage, emulate=args.emulate,

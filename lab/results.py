@@ -7,6 +7,7 @@ gbs GB/s, pct_* percent of the device profile's ceiling.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -112,5 +113,7 @@ def load(path: str | os.PathLike = "results") -> pd.DataFrame:
     files = sorted(Path(path).rglob("*.parquet"))
     if not files:
         return frame([])
-    parts = [pd.read_parquet(f).assign(source_file=str(f)) for f in files]
+    # Read each file's bytes in one go: a sweep may be replacing it right now, and a reader that
+    # opened it twice could see two versions.
+    parts = [pd.read_parquet(io.BytesIO(f.read_bytes())).assign(source_file=str(f)) for f in files]
     return pd.concat(parts, ignore_index=True, sort=False)

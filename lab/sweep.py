@@ -86,9 +86,10 @@ class SweepRequest:
     confirm: bool = True                   # re-time best configs A B A B against the baseline at the end
     progress: bool = True
     timing: dict = field(default_factory=dict)  # overrides for lab.timing.bench
+    confirm_timing: dict = field(default_factory=dict)  # overrides for the A/B confirm
 
 
-def _sampler(name: str, seed: int, params: dict):
+def _sampler(name: str, seed: int):
     import optuna
     if name == "tpe":
         # Constraints come from Trial.set_constraint (Optuna 5): non-ok outcomes are violations.
@@ -96,13 +97,20 @@ def _sampler(name: str, seed: int, params: dict):
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if name == "grid":
-        return optuna.samplers.GridSampler(params or {"_": [0]}, seed=seed)
+        # The grid is enqueued into the study (see _sweep_lane); Optuna's GridSampler calls
+        # study.stop() when exhausted, which ask/tell does not allow.
+        return optuna.samplers.RandomSampler(seed=seed)
     raise LabError(f"unknown sampler {name!r} (known: tpe, random, grid)")
 
 
 def _versions(lane: registry.Lane) -> dict:
+    """Everything that produced the binary and the measurement: part of the study key, so that a
+    result from another toolchain, lane source or harness version is never reused silently."""
+    import lab
     v = dict(lane.module.versions())
     v["python"] = platform.python_version()
+    v["lab"] = lab.__version__
+    v["lane_sha"] = hashlib.sha1(Path(lane.module.__file__).read_bytes()).hexdigest()[:12]
     try:
         import optuna
         v["optuna"] = optuna.__version__
@@ -263,13 +271,16 @@ class Sweep:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         try:
             study = optuna.create_study(study_name=study_name, storage=self.storage, direction="minimize",
-                                        sampler=_sampler(req.sampler, req.seed, space.params), load_if_exists=True)
+                                        sampler=_sampler(req.sampler, req.seed), load_if_exists=True)
         except (ValueError, ImportError) as exc:
             raise LabError(f"cannot open study storage {self.storage}: {exc}") from None
         _fail_dead_trials(study)
         if not study.get_trials(deepcopy=False):
             for seed_cfg in space.seeds:  # known-good starting points from the sweep file
                 study.enqueue_trial(seed_cfg, skip_if_exists=True)
+            if req.sampler == "grid":
+                for cfg in space.configs():
+                    study.enqueue_trial(cfg, skip_if_exists=True)
         dists = _distributions(space)
         measured: dict[str, float] = {}
         for t in study.get_trials(deepcopy=False):
@@ -277,7 +288,7 @@ class Sweep:
                 measured[t.user_attrs["config_key"]] = t.value
         feasible_total = sum(1 for c in space.configs()
                              if preflight.cheap_checks(lane, space, lane.full_config(c), shape, self.mode.requested).feasible)
-        target = min(req.trials, feasible_total)
+        target = req.trials if req.sampler == "grid" else min(req.trials, feasible_total)
         done0 = len(measured)
         bar = _progress(req.progress, total=target, initial=min(done0, target), desc=f"{lane.dsl} {shape_name}")
         queue: deque = deque()
@@ -296,7 +307,14 @@ class Sweep:
             trial.set_constraint("ok", 0.0 if status == "ok" else 1.0)
             study.tell(trial, value)
 
-        while len(measured) + len(rejected_by_compile) < feasible_total and len(measured) < target:
+        def more() -> bool:
+            if len(measured) >= target:
+                return False
+            if req.sampler == "grid":  # every grid point gets its row, infeasible ones included
+                return len(measured.keys() | rejected_by_compile | rejected_cheap | pending) < space.size
+            return len(measured.keys() | rejected_by_compile) < feasible_total
+
+        while more():
             # Fill the look-ahead queue: proposals go through the cheap checks now, compiles in the pool.
             while len(queue) <= req.prefetch and stale < STALE_STREAK:
                 trial = study.ask(dists)
@@ -340,6 +358,14 @@ class Sweep:
                     bar.update(1)
                 continue
             stale = 0
+            if self.mode.compile_only and verdict.compile_note:
+                # Nothing to compile ahead of time (a run-time library): one row says so, then stop.
+                verdict.reason = f"compile-only: nothing to compile ahead of time ({verdict.compile_note})"
+                self.writer.add(self._row(lane, shape_name, shape, cfg, trial.number, "infeasible", verdict,
+                                          versions=versions, study=study_name))
+                counts["infeasible"] = counts.get("infeasible", 0) + 1
+                tell(trial, PENALTY_MS, "infeasible", key, False)
+                break
             if self.mode.compile_only:
                 result, status = {}, "compiled"
             else:
@@ -364,23 +390,24 @@ class Sweep:
         summary = {"dsl": lane.dsl, "shape": shape_name, "measured": len(measured), "counts": counts,
                    "best_ms": min(ok.values()) if ok else None, "study": study_name}
         self.summary.append(summary)
-        self.out(f"{lane.dsl:8s} {shape_name}: {len(measured)} measured ({len(measured) - done0} new), "
-                 f"{', '.join(f'{k} {v}' for k, v in sorted(counts.items())) or 'nothing new'}; best "
-                 f"{summary['best_ms']:.4f} ms" if ok else f"{lane.dsl:8s} {shape_name}: no ok trial "
-                 f"({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))})")
+        outcome = ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "nothing new"
+        self.out(f"{lane.dsl:8s} {shape_name}: {len(measured)} measured in the study ({len(measured) - done0} new); "
+                 f"this run's outcomes: {outcome}; best "
+                 + (f"{summary['best_ms']:.4f} ms" if ok else "- (no ok trial)"))
         if not ok:
             return None
         best_key = min(ok, key=ok.get)
         return (lane, json.loads(best_key), versions, study_name)
 
     def _confirm(self, shape_name, shape, best: dict):
-        """Re-time each lane's best config alternately (A B A B ...) in one worker; rows phase=confirm."""
+        """Re-time each lane's best config interleaved (A B A B ...) in one worker; rows phase=confirm."""
         import statistics
         from lab.timing import median_ci, quartiles
         entries = list(best.values())
+        timing = {**self.req.timing, "budget_ms": 6000.0, "min_time_ms": 500.0, "min_samples": 50}
         task = {"kind": "abab", "kernel": self.req.kernel, "shape": shape, "seed": self.req.seed + 7,
-                "lanes": [(lane.dsl, cfg) for lane, cfg, _, _ in entries], "rounds": 4,
-                "l2_bytes": self.l2_bytes, "timing": {**self.req.timing, "budget_ms": 1500.0}}
+                "lanes": [(lane.dsl, cfg) for lane, cfg, _, _ in entries], "l2_bytes": self.l2_bytes,
+                "timing": {**timing, **self.req.confirm_timing}}
         result = self.runner.run(task, self.req.timeout_s * 2)
         if result.get("status") != "ok":
             self.out(f"confirm {shape_name}: {result.get('status')}: {result.get('error', '')[:200]}")
@@ -390,7 +417,7 @@ class Sweep:
             q1, q3 = quartiles(samples)
             res = {"time_ms": med, "time_q1_ms": q1, "time_q3_ms": q3, "time_iqr_ms": q3 - q1,
                    "time_ci_half_ms": (hi - lo) / 2, "samples": len(samples), "samples_ms": samples,
-                   "timing_stop": "abab"}
+                   "timing_stop": f"abab-{result.get('stop', '')}"}
             self.writer.add(self._row(lane, shape_name, shape, cfg, -1, "ok", None, res, versions=versions,
                                       phase="confirm", study=study))
             self.out(f"confirm  {shape_name}: {lane.dsl:8s} {med:.4f} ms (IQR {q3 - q1:.4f}, n={len(samples)}, "

@@ -100,46 +100,69 @@ class _Clock:
 
 
 def bench(fn, device: str = "cuda", l2_bytes: int = 0, warmup_ms: float = 25.0, rel_ci: float = 0.01,
-          min_samples: int = 10, max_samples: int = 2000, budget_ms: float = 3000.0,
+          min_samples: int = 10, max_samples: int = 2000, budget_ms: float = 3000.0, min_time_ms: float = 100.0,
           graph_below_ms: float = 0.02) -> Timing:
-    """Time ``fn()`` (which launches the work). See the module docstring for the method."""
+    """Time ``fn()`` (which launches the work). See the module docstring for the method.
+
+    Sampling goes on for at least ``min_time_ms`` of kernel time, so that a fast kernel is not judged
+    on a few milliseconds of one clock state (GPU clocks move with power draw over tens of ms).
+    """
+    timing = bench_interleaved([fn], device, l2_bytes, warmup_ms, rel_ci, min_samples, max_samples, budget_ms,
+                               min_time_ms)[0]
+    if device.startswith("cuda") and timing.median_ms < graph_below_ms:
+        timing.graph_ms, timing.graph_note = _graph_time(fn, _flusher(device, l2_bytes))
+    return timing
+
+
+def _flusher(device: str, l2_bytes: int):
+    if not device.startswith("cuda") or l2_bytes <= 0:
+        return lambda: None
+    buf = torch.empty(2 * l2_bytes, dtype=torch.uint8, device=device)
+    return buf.zero_
+
+
+def bench_interleaved(fns: list, device: str = "cuda", l2_bytes: int = 0, warmup_ms: float = 25.0,
+                      rel_ci: float = 0.01, min_samples: int = 10, max_samples: int = 2000,
+                      budget_ms: float = 3000.0, min_time_ms: float = 100.0) -> list[Timing]:
+    """Time several calls A B C A B C ...: one sample of each in turn, so that all of them see the
+    same clock and thermal history. Stops when every median's 95% CI is within ``rel_ci``, each has
+    ``min_time_ms`` of samples, or at the budget."""
     clock = _Clock(device)
-    flush_buf = None
-    if clock.cuda and l2_bytes > 0:
-        flush_buf = torch.empty(2 * l2_bytes, dtype=torch.uint8, device=device)
-
-    def flush():
-        if flush_buf is not None:
-            flush_buf.zero_()
-
+    flush = _flusher(device, l2_bytes)
     # Time-based warm-up: compilation, module load and clocks ramping stay out of the samples.
-    t_end = time.perf_counter() + warmup_ms / 1e3
-    fn()
-    while time.perf_counter() < t_end:
+    for fn in fns:
+        t_end = time.perf_counter() + warmup_ms / 1e3
         fn()
+        while time.perf_counter() < t_end:
+            fn()
     if clock.cuda:
         torch.cuda.synchronize()
 
-    samples: list[float] = []
+    samples: list[list[float]] = [[] for _ in fns]
     deadline = time.perf_counter() + budget_ms / 1e3
     batch, stop = 5, "max_samples"
-    while len(samples) < max_samples:
-        samples += clock.resolve([clock.sample(flush, fn) for _ in range(batch)])
-        if len(samples) >= min_samples:
-            med, lo, hi = median_ci(samples)
-            if med > 0 and (hi - lo) / 2 <= rel_ci * med:
+    while len(samples[0]) < max_samples:
+        pending = [[] for _ in fns]
+        for _ in range(batch):
+            for i, fn in enumerate(fns):
+                pending[i].append(clock.sample(flush, fn))
+        for i in range(len(fns)):
+            samples[i] += clock.resolve(pending[i])
+        if len(samples[0]) >= min_samples and all(sum(s) >= min_time_ms for s in samples):
+            cis = [median_ci(s) for s in samples]
+            if all(med > 0 and (hi - lo) / 2 <= rel_ci * med for med, lo, hi in cis):
                 stop = "converged"
                 break
         if time.perf_counter() > deadline:
             stop = "budget"
             break
         batch = min(50, batch * 2)
-    med, lo, hi = median_ci(samples)
-    q1, q3 = quartiles(samples)
-    timing = Timing(med, q1, q3, (hi - lo) / 2, samples, stop)
-    if clock.cuda and med < graph_below_ms:
-        timing.graph_ms, timing.graph_note = _graph_time(fn, flush)
-    return timing
+    out = []
+    for s in samples:
+        med, lo, hi = median_ci(s)
+        q1, q3 = quartiles(s)
+        out.append(Timing(med, q1, q3, (hi - lo) / 2, s, stop))
+    return out
 
 
 def _graph_time(fn, flush, reps: int = 50) -> tuple[float | None, str]:

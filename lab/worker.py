@@ -118,25 +118,21 @@ def run_trial(task: dict) -> dict:
 
 
 def run_abab(task: dict) -> dict:
-    """Re-time several (dsl, config) lanes alternately, A B A B, to compare them under the same
-    conditions; returns per-lane samples pooled over ``rounds``."""
+    """Re-time several (dsl, config) lanes interleaved sample by sample (A B A B ...), so that the
+    comparison is made under the same clocks; returns each lane's samples."""
     from lab import problems, registry, timing
     device = task.get("device", "cuda")
     os.environ.update(task.get("env", {}))
     problem = problems.get(task["kernel"])
     shape = task["shape"]
     inputs = problem.make_inputs(shape, device, task["seed"])
-    runs = []
+    fns = []
     for dsl, config in task["lanes"]:
         run = registry.get(dsl, task["kernel"]).module.build(config, shape)
         outputs = problem.alloc_outputs(shape, device)
-        runs.append(lambda run=run, o=outputs: run(inputs, o))
-    pooled: list[list[float]] = [[] for _ in runs]
-    for _ in range(task.get("rounds", 4)):
-        for i, fn in enumerate(runs):
-            t = timing.bench(fn, device=device, l2_bytes=task.get("l2_bytes", 0), **task.get("timing", {}))
-            pooled[i] += t.samples_ms
-    return {"status": "ok", "samples": pooled}
+        fns.append(lambda run=run, o=outputs: run(inputs, o))
+    timings = timing.bench_interleaved(fns, device=device, l2_bytes=task.get("l2_bytes", 0), **task.get("timing", {}))
+    return {"status": "ok", "samples": [t.samples_ms for t in timings], "stop": timings[0].stop}
 
 
 def execute(task: dict) -> dict:

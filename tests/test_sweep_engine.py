@@ -1,0 +1,198 @@
+"""The sweep engine: statuses, preflight before compile, duplicates, resume after a kill."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import compiled_configs
+
+FAST_TIMING = {"budget_ms": 30.0, "warmup_ms": 1.0, "min_samples": 3, "max_samples": 20}
+H100 = ("NVIDIA H100 80GB HBM3", (9, 0), 132, 50 << 20, "h100")
+
+
+def present_h100():
+    from lab.devices import PresentGPU
+    return PresentGPU(*H100)
+
+
+class SimRunner:
+    """Stands in for the worker process: outcomes follow the sim lane's MODE, no process, no GPU."""
+
+    def __init__(self, delay_s: float = 0.0):
+        self.delay_s = delay_s
+        self.seen: list[dict] = []
+
+    def run(self, task, timeout_s):
+        time.sleep(self.delay_s)
+        if task.get("kind") == "abab":
+            return {"status": "ok", "samples": [[1.0, 1.1, 0.9] for _ in task["lanes"]]}
+        cfg = task["config"]
+        self.seen.append(cfg)
+        mode = cfg.get("MODE", "ok")
+        if mode in ("ok", "slow"):
+            t = (1.0 if mode == "ok" else 2.0) * cfg.get("SPEED", 1) + cfg.get("SMEM_KB", 0) / 1000
+            return {"status": "ok", "time_ms": t, "time_q1_ms": t * 0.99, "time_q3_ms": t * 1.01,
+                    "time_iqr_ms": t * 0.02, "samples": 10, "samples_ms": [t] * 10, "parity": {},
+                    "parity_rel_l2": 0.0, "parity_rel_max": 0.0, "tol_rel_l2": 1e-3, "tol_rel_max": 1e-3}
+        status = {"runtime_error": "runtime_error", "wrong": "wrong_result", "unwritten": "wrong_result"}[mode]
+        return {"status": status, "error": f"simulated {mode}"}
+
+    def close(self):
+        pass
+
+
+def _request(env, **kw):
+    from lab.sweep import SweepRequest
+    base = dict(kernel="gemm", device="h100", dsls=["sim"], shapes=["tiny"], trials=100, results_dir=env.results,
+                sampler="grid", baseline=False, confirm=False, progress=False, prefetch=0, timing=FAST_TIMING,
+                timeout_s=20.0)
+    base.update(kw)
+    return SweepRequest(**base)
+
+
+def test_every_status_recorded_and_infeasible_never_compiled(lab_env):
+    """Real worker process on the CPU: parity catches wrong and unwritten outputs; rules and the SMEM
+    estimate reject configs without a compile; the AOT compile rejects compile errors."""
+    from lab import sweep
+    from lab.results import load
+    from lab.worker import WorkerRunner
+
+    req = _request(lab_env, device="gb10", emulate=True)  # 99 KiB envelope: SMEM_KB=200 is infeasible
+    sw, summary = sweep.run(req, present_h100(), runner=WorkerRunner("cpu"), out=lambda *_: None)
+    df = load(lab_env.results)
+    sw_rows = df[df["phase"] == "sweep"]
+    statuses = set(sw_rows["status"])
+    assert {"ok", "infeasible", "compile_error", "runtime_error", "wrong_result"} <= statuses
+    # Every config of the grid got exactly one row; none was measured twice.
+    assert sw_rows["config_json"].is_unique
+    assert len(sw_rows) == 7 * 3 * 2
+    # Wrong and unwritten outputs are caught by parity, not trusted.
+    cfg_mode = sw_rows["config_json"].map(lambda c: json.loads(c)["MODE"])
+    feasible = sw_rows["config_json"].map(lambda c: json.loads(c)["SMEM_KB"] < 99)
+    assert set(sw_rows[(cfg_mode == "wrong") & feasible]["status"]) == {"wrong_result"}
+    assert set(sw_rows[(cfg_mode == "unwritten") & feasible]["status"]) == {"wrong_result"}
+    assert "nonfinite=" in sw_rows[(cfg_mode == "unwritten") & feasible]["error"].iloc[0]
+    # Infeasible configs carry their reason and were never compiled.
+    inf = sw_rows[sw_rows["status"] == "infeasible"]
+    assert inf["error"].str.len().min() > 0
+    compiled = compiled_configs(lab_env)
+    assert compiled, "feasible configs go through the AOT compile"
+    assert all(c["MODE"] != "refused" and c["SMEM_KB"] < 99 for c in compiled)
+    assert set(inf["config_json"].map(lambda c: json.loads(c)["SMEM_KB"])) == {16, 64, 200}  # refused + 200
+    # Rows say what ran.
+    assert sw_rows["emulated"].all() and set(sw_rows["requested_profile"]) == {"gb10"}
+    assert set(sw_rows["actual_gpu"]) == {H100[0]}
+    assert set(sw_rows["preflight_target"]) == {"sm_121a"} and set(sw_rows["compile_target"]) == {"sm_90a"}
+    ok = sw_rows[sw_rows["status"] == "ok"]
+    assert (ok["parity_rel_l2"] <= ok["tol_rel_l2"]).all() and ok["time_ms"].gt(0).all()
+
+
+def test_compiler_over_limit_rejected_even_when_estimate_fits(lab_env):
+    from lab import preflight, registry
+    from lab.devices import get_profile
+    lane = registry.get("sim", "gemm")
+    shape = {"M": 24, "N": 16, "K": 40, "dtype": "float32"}
+    cfg = lane.full_config({"SMEM_KB": 120, "ESTIMATE_BIAS_KB": -60})
+    v = preflight.check(lane, None, cfg, shape, get_profile("gb10"))
+    assert not v.feasible and v.stage == "compile" and v.smem_compiled == 120 * 1024
+    assert "compiled shared memory" in v.reason
+    assert preflight.check(lane, None, cfg, shape, get_profile("h100")).feasible
+
+
+def test_tpe_sweep_stops_at_trials_and_skips_duplicates(lab_env):
+    from lab import sweep
+    from lab.results import load
+    runner = SimRunner()
+    req = _request(lab_env, sampler="tpe", trials=6, seed=3)
+    sweep.run(req, present_h100(), runner=runner, out=lambda *_: None)
+    keys = [json.dumps(c, sort_keys=True) for c in runner.seen]
+    assert len(keys) == len(set(keys))  # never re-measured
+    df = load(lab_env.results)
+    measured = df[(df["phase"] == "sweep") & (df["status"] != "infeasible")]
+    assert len(measured) == 6
+
+
+_KILLABLE = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    sys.path.insert(0, sys.argv[3])
+    from tests.test_sweep_engine import SimRunner, _request, present_h100
+    from lab import sweep
+    class Env:
+        results = Path(sys.argv[1])
+    req = _request(Env, sampler="random", trials=int(sys.argv[2]), seed=11)
+    sweep.run(req, present_h100(), runner=SimRunner(delay_s=0.3), out=lambda *_: None)
+""")
+
+
+def test_killed_sweep_loses_no_finished_trial_and_resumes(lab_env):
+    from lab import sweep
+    from lab.results import load
+    (lab_env.sweeps / "gemm" / "sim.toml").write_text(
+        '[params]\nMODE = ["ok", "slow"]\nSMEM_KB = [16, 32, 48, 64]\nSPEED = [1, 2, 3]\nESTIMATE_BIAS_KB = [0]\n')
+    script = lab_env.tmp / "killable.py"
+    script.write_text(_KILLABLE)
+    proc = subprocess.Popen([sys.executable, str(script), str(lab_env.results), "10", str(lab_env.root)],
+                            env=os.environ.copy())
+    deadline = time.time() + 120
+    rows = 0
+    while time.time() < deadline and rows < 3:
+        time.sleep(0.2)
+        if list(lab_env.results.rglob("*.parquet")):
+            rows = len(load(lab_env.results))  # never a half-written file: the writer renames atomically
+    assert rows >= 3, "the sweep did not record trials in time"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed = load(lab_env.results)
+    assert len(killed) >= 3 and set(killed["status"]) == {"ok"}
+    done_before = set(killed["config_json"])
+
+    runner = SimRunner()
+    req = _request(lab_env, sampler="random", trials=10, seed=11)
+    sweep.run(req, present_h100(), runner=runner, out=lambda *_: None)
+    after = load(lab_env.results)
+    assert done_before <= set(after["config_json"])       # nothing finished was lost
+    rerun = {json.dumps(c, sort_keys=True) for c in runner.seen}
+    assert not (rerun & done_before)                        # finished trials were not re-measured
+    assert after["config_json"].nunique() == 10 == len(after)  # the study continued to 10 in all
+    assert after["run_id"].nunique() == 2
+
+
+def test_worker_statuses_crash_hang_and_recovery(lab_env):
+    """The real worker process: a crash, a hang and a poisoned context are recorded and the next
+    candidate still runs in a fresh process."""
+    from lab.worker import WorkerRunner
+    shape = {"M": 24, "N": 16, "K": 40, "dtype": "float32"}
+    runner = WorkerRunner("cpu")
+
+    def task(mode):
+        cfg = {"MODE": mode, "SMEM_KB": 16, "SPEED": 1, "ESTIMATE_BIAS_KB": 0}
+        return {"kind": "trial", "kernel": "gemm", "dsl": "sim", "config": cfg, "shape": shape, "seed": 1,
+                "timing": FAST_TIMING}
+    try:
+        assert runner.run(task("ok"), 60)["status"] == "ok"
+        r = runner.run(task("crash"), 60)
+        assert r["status"] == "runtime_error" and "died" in r["error"]
+        assert runner.run(task("ok"), 60)["status"] == "ok"
+        t0 = time.time()
+        r = runner.run(task("hang"), 3)
+        assert r["status"] == "timeout" and time.time() - t0 < 30
+        r = runner.run(task("sticky"), 60)
+        assert r["status"] == "runtime_error" and "illegal memory access" in r["error"]
+        assert runner.run(task("compile_error"), 60)["status"] == "compile_error"
+        r = runner.run(task("runtime_error"), 60)
+        assert r["status"] == "runtime_error" and r["error"].startswith("[timing]")
+        assert runner.run(task("wrong"), 60)["status"] == "wrong_result"
+        ok = runner.run(task("ok"), 60)
+        assert ok["status"] == "ok" and ok["samples"] >= 3 and len(ok["samples_ms"]) == ok["samples"]
+        assert runner.restarts >= 3
+    finally:
+        runner.close()

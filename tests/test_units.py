@@ -1,0 +1,140 @@
+"""Small units: device profiles and detection, spaces, parity, timing statistics, registry,
+requested-vs-actual device rules, packaging pins."""
+from __future__ import annotations
+
+import re
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from lab.devices import LabError, PresentGPU
+
+
+def test_profiles_carry_brief_numbers_and_sources():
+    from lab.devices import PROFILES
+    assert PROFILES["gb10"].smem_optin_bytes == 101_376 and PROFILES["gb10"].sms == 48
+    assert PROFILES["h100"].smem_optin_bytes == 232_448 and PROFILES["h100"].target == "sm_90a"
+    assert PROFILES["gb10"].target == "sm_121a" and PROFILES["rtx5090"].target == "sm_120a"
+    for p in PROFILES.values():
+        assert p.sources.get("smem") and p.sources.get("sms")
+
+
+@pytest.mark.parametrize("name, profile", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+                                           ("NVIDIA GB10", "gb10"), ("NVIDIA GeForce RTX 5090", "rtx5090"),
+                                           ("NVIDIA B200", "b200"), ("NVIDIA A100-SXM4-80GB", None)])
+def test_match_profile(name, profile):
+    from lab.devices import match_profile
+    assert match_profile(name) == profile
+
+
+def test_resolve_mode_rules():
+    from lab.sweep import resolve_mode
+    h100 = PresentGPU("NVIDIA H100 80GB HBM3", (9, 0), 132, 50 << 20, "h100")
+    m = resolve_mode("h100", h100, False, False)
+    assert not m.emulated and m.run_target == "sm_90a"
+    with pytest.raises(LabError, match="--emulate"):
+        resolve_mode("gb10", h100, False, False)
+    m = resolve_mode("gb10", h100, True, False)
+    assert m.emulated and m.requested.smem_optin_bytes == 101_376 and m.run_target == "sm_90a"
+    assert m.run_profile.name == "h100"
+    m = resolve_mode("gb10", None, False, True)
+    assert m.compile_only and m.run_target is None
+    with pytest.raises(LabError, match="no GPU"):
+        resolve_mode("h100", None, False, False)
+
+
+def test_space_rules_and_errors(tmp_path):
+    from lab.space import Space
+    s = Space({"A": [1, 2, 4], "B": [8, 16]}, ["A * B <= 32", "not (A == 1 and B == 16)"], "t")
+    allowed = [c for c in s.configs() if s.rule_reason(c) is None]
+    assert s.size == 6 and len(allowed) == 4
+    assert s.rule_reason({"A": 4, "B": 16}) == "restriction: A * B <= 32"
+    with pytest.raises(LabError, match="unknown param"):
+        Space({"A": [1]}, ["C > 1"], "t")
+    with pytest.raises(LabError, match="calls a function"):
+        Space({"A": [1]}, ["open('x')"], "t")
+    with pytest.raises(LabError, match="uses Attribute"):
+        Space({"A": [1]}, ["A.__class__"], "t")
+    import pickle
+    assert pickle.loads(pickle.dumps(s)).rule_reason({"A": 4, "B": 16})
+
+
+def test_parity_nan_and_tolerance():
+    from lab.parity import compare, output_error
+    from lab.problems import Tolerance
+    ref = torch.randn(16, 16, dtype=torch.float64)
+    tol = Tolerance(1e-3, 1e-3)
+    ok, _ = compare({"c": ref.float()}, {"c": ref}, tol)
+    assert ok
+    bad = ref.clone()
+    bad[3, 4] = float("nan")
+    ok, errs = compare({"c": bad}, {"c": ref}, tol)
+    assert not ok and errs["c"].nonfinite == 1
+    e = output_error(ref * 1.01, ref)
+    assert e.rel_l2 == pytest.approx(0.01, rel=1e-6) and e.rel_max == pytest.approx(0.01, rel=1e-6)
+
+
+def test_gemm_problem_inputs_reference_and_counts():
+    from lab.problems import get
+    p = get("gemm")
+    shape = {"M": 33, "N": 17, "K": 65, "dtype": "bfloat16"}
+    a = p.make_inputs(shape, "cpu", 1)
+    b = p.make_inputs(shape, "cpu", 1)
+    c = p.make_inputs(shape, "cpu", 2)
+    assert torch.equal(a["a"], b["a"]) and not torch.equal(a["a"], c["a"])
+    assert a["a"].dtype == torch.bfloat16 and (a["a"] != 0).float().mean() > 0.99
+    assert torch.isnan(p.alloc_outputs(shape, "cpu")["c"]).all()
+    assert p.reference(a, shape)["c"].dtype == torch.float64
+    assert p.flops(shape) == 2 * 33 * 17 * 65 and p.bytes_moved(shape) == (33 * 65 + 65 * 17 + 33 * 17) * 2
+    with pytest.raises(LabError, match="dtype"):
+        p.check_shape({"M": 1, "N": 1, "K": 1, "dtype": "int8"})
+
+
+def test_median_ci_and_bench_on_cpu():
+    from lab.timing import bench, median_ci, quartiles
+    med, lo, hi = median_ci([float(x) for x in range(1, 102)])
+    assert med == 51 and lo < 51 < hi
+    assert quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == (2.0, 4.0)
+    t = bench(lambda: time.sleep(0.002), device="cpu", warmup_ms=1, budget_ms=500, rel_ci=0.05)
+    assert 1.9 <= t.median_ms <= 6 and t.n >= 10 and t.stop in ("converged", "budget", "max_samples")
+    assert t.q1_ms <= t.median_ms <= t.q3_ms
+
+
+def test_registry_typed_eligibility(lab_env):
+    from lab import registry
+    table = registry.eligibility_table("gemm", "sm_75")
+    assert table["triton"].code == "ineligible" and "sm_75" in table["triton"].reason
+    assert table["sim"].code == "ineligible" and table["torch"].ok
+    lane = registry.get("triton", "gemm")
+    with pytest.raises(LabError, match="unknown config key 'BLOCKM'"):
+        lane.full_config({"BLOCKM": 64})
+    with pytest.raises(LabError, match="unknown DSL"):
+        registry.get("cobol", "gemm")
+
+
+def test_unimportable_lane_is_unavailable_not_hidden(lab_env, tmp_path, monkeypatch):
+    pkg = tmp_path / "brokenlanes" / "ghost"
+    pkg.mkdir(parents=True)
+    (tmp_path / "brokenlanes" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "gemm.py").write_text("import a_dsl_that_is_not_installed\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("LAB_KERNEL_PACKAGES", "tests.fake_lanes,brokenlanes")
+    from lab import registry
+    registry._LANES.clear()
+    e = registry.eligibility_table("gemm", "sm_90a")["ghost"]
+    assert e.code == "unavailable" and "a_dsl_that_is_not_installed" in e.reason
+
+
+def test_gpu_extra_equals_shared_requirements():
+    root = Path(__file__).resolve().parent.parent
+    req = root.parent / "shared" / "gpu" / "requirements-gpu.txt"
+    if not req.exists():
+        pytest.skip(f"{req} not beside this checkout")
+    pins = sorted(l.strip() for l in req.read_text().splitlines() if l.strip() and not l.startswith("#"))
+    extra = sorted(tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"])
+    assert extra == pins
+    assert all(re.fullmatch(r"[A-Za-z0-9_.\-\[\]]+==[0-9][0-9A-Za-z.]*", p) for p in extra)
