@@ -33,30 +33,38 @@ def best_per_dsl(df: pd.DataFrame) -> pd.DataFrame:
     conf = df[(df["phase"] == "confirm") & (df["status"] == "ok")]
     if not conf.empty:
         conf = conf.sort_values("time_utc").groupby(keys + ["config_json"]).tail(1)
-        cols = {"time_ms": "confirm_ms", "time_q1_ms": "confirm_q1_ms", "time_q3_ms": "confirm_q3_ms"}
+        cols = {"time_ms": "confirm_ms", "time_q1_ms": "confirm_q1_ms", "time_q3_ms": "confirm_q3_ms",
+                "samples": "confirm_n"}
         best = best.merge(conf[keys + ["config_json", *cols]].rename(columns=cols), on=keys + ["config_json"], how="left")
     else:
-        for c in ("confirm_ms", "confirm_q1_ms", "confirm_q3_ms"):
+        for c in ("confirm_ms", "confirm_q1_ms", "confirm_q3_ms", "confirm_n"):
             best[c] = float("nan")
     return best
 
 
 def with_ratios(best: pd.DataFrame) -> pd.DataFrame:
-    """Adds ratio_to_baseline (baseline time / lane time: >1 is faster than the baseline) and verdict."""
+    """Adds the headline timing (A/B confirm when every lane of the shape has one, else the sweep),
+    the rates at that timing, ratio_to_baseline (baseline time / lane time: >1 is faster than the
+    baseline) and the FASTER / SLOWER / SAME verdict."""
     out = []
     for _, g in best.groupby(["requested_profile", "emulated", "kernel", "shape"]):
         g = g.copy()
+        use_confirm = g["confirm_ms"].notna().all()
+        src = ("confirm_ms", "confirm_q1_ms", "confirm_q3_ms", "confirm_n") if use_confirm else \
+              ("time_ms", "time_q1_ms", "time_q3_ms", "samples")
+        g["head_ms"], g["head_q1_ms"], g["head_q3_ms"], g["head_n"] = (g[c] for c in src)
+        g["timing_source"] = "A/B confirm" if use_confirm else "sweep"
+        scale = g["time_ms"] / g["head_ms"]  # rates scale inversely with time
+        for c in ("tflops", "gbs", "pct_peak_tflops"):
+            g[f"head_{c}"] = g[c] * scale
         base = g[g["baseline"] == True]  # noqa: E712 (pandas)
         if base.empty:
-            g["ratio_to_baseline"], g["vs_baseline"], g["timing_source"] = float("nan"), "", ""
+            g["ratio_to_baseline"], g["vs_baseline"] = float("nan"), ""
         else:
             b = base.iloc[0]
-            use_confirm = g["confirm_ms"].notna().all()
-            col, q1, q3 = ("confirm_ms", "confirm_q1_ms", "confirm_q3_ms") if use_confirm else ("time_ms", "time_q1_ms", "time_q3_ms")
-            g["ratio_to_baseline"] = b[col] / g[col]
-            g["vs_baseline"] = [_verdict(r[q1], r[q3], b[q1], b[q3]) if not r["baseline"] else "baseline"
-                                for _, r in g.iterrows()]
-            g["timing_source"] = "A/B confirm" if use_confirm else "sweep"
+            g["ratio_to_baseline"] = b["head_ms"] / g["head_ms"]
+            g["vs_baseline"] = [_verdict(r["head_q1_ms"], r["head_q3_ms"], b["head_q1_ms"], b["head_q3_ms"])
+                                if not r["baseline"] else "baseline" for _, r in g.iterrows()]
         out.append(g)
     return pd.concat(out) if out else best
 
@@ -87,30 +95,39 @@ def markdown(df: pd.DataFrame) -> str:
         gpu = ", ".join(sorted(set(g["actual_gpu"])))
         title = f"## {kernel} on {dev}" + (f" (EMULATED on {gpu})" if emu else f" ({gpu})")
         lines += [title, ""]
+        if emu:
+            lines += [f"Configs limited to the {dev} envelope (preflight for {g['preflight_target'].iloc[0]}); "
+                      f"timings are from {gpu}. The baseline library runs unconstrained on that GPU.", ""]
         counts = g[g["phase"] == "sweep"].groupby(["shape", "dsl", "status"]).size().unstack(fill_value=0)
         b = best[(best["requested_profile"] == dev) & (best["emulated"] == emu) & (best["kernel"] == kernel)] \
             if not best.empty else best
         for shape, gs in g.groupby("shape"):
             dims = json.loads(gs["shape_json"].iloc[0])
-            lines += [f"### {shape} `{' '.join(f'{k}={v}' for k, v in dims.items())}`", "",
-                      "| DSL | median ms | IQR ms | n | TFLOP/s | % peak | GB/s | vs baseline | ratio | SMEM used B (est / compiled / launched) | regs | parity rel_l2 | config |",
-                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
             bs = b[b["shape"] == shape] if not b.empty else b
-            for _, r in bs.sort_values("time_ms").iterrows():
+            source = bs["timing_source"].iloc[0] if not bs.empty else "sweep"
+            lines += [f"### {shape} `{' '.join(f'{k}={v}' for k, v in dims.items())}`", "",
+                      f"| DSL | median ms ({source}) | IQR ms | n | sweep best ms | TFLOP/s | % peak | GB/s | vs baseline "
+                      f"| ratio | SMEM B: estimate / compiled ({gs['preflight_target'].iloc[0]}) / launched "
+                      f"({gs['compile_target'].iloc[0]}) | regs | spills | parity rel_l2 (tol) | config |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            for _, r in bs.sort_values("head_ms").iterrows():
                 smem = " / ".join(_fmt(r.get(c), ",.0f") for c in ("smem_estimate_bytes", "smem_compiled_bytes", "smem_launched_bytes"))
                 lines.append(
-                    f"| {r['dsl']} | {_fmt(r['time_ms'], '.4f')} | {_fmt(r['time_iqr_ms'], '.4f')} | {_fmt(r['samples'], '.0f')} | "
-                    f"{_fmt(r['tflops'], '.1f')} | {_fmt(r['pct_peak_tflops'], '.1f')} | {_fmt(r['gbs'], '.0f')} | "
+                    f"| {r['dsl']} | {_fmt(r['head_ms'], '.4f')} | {_fmt(r['head_q3_ms'] - r['head_q1_ms'], '.4f')} | "
+                    f"{_fmt(r['head_n'], '.0f')} | {_fmt(r['time_ms'], '.4f')} | {_fmt(r['head_tflops'], '.1f')} | "
+                    f"{_fmt(r['head_pct_peak_tflops'], '.1f')} | {_fmt(r['head_gbs'], '.0f')} | "
                     f"{r.get('vs_baseline', '')} | {_fmt(r.get('ratio_to_baseline'), '.3f')} | {smem} | "
-                    f"{_fmt(r.get('registers'), '.0f')} | {_fmt(r['parity_rel_l2'], '.2e')} | {_config_text(r['config_json'])} |")
+                    f"{_fmt(r.get('registers'), '.0f')} | {_fmt(r.get('spills'), '.0f')} | "
+                    f"{_fmt(r['parity_rel_l2'], '.2e')} ({_fmt(r['tol_rel_l2'], 'g')}) | {_config_text(r['config_json'])} |")
             for _, r in gs[gs["phase"] == "eligibility"].drop_duplicates("dsl").iterrows():
                 lines.append(f"| {r['dsl']} | - | - | - | - | - | - | - | - | - | - | - | {r['error']} |")
             if shape in counts.index:
                 c = counts.loc[shape]
                 lines += ["", "Trials by status: " + "; ".join(
                     f"{dsl}: " + ", ".join(f"{s} {int(n)}" for s, n in row.items() if n) for dsl, row in c.iterrows())]
-            if not bs.empty and "timing_source" in bs:
-                lines.append(f"Ratios from: {bs['timing_source'].iloc[0] or 'n/a'} (ratio = baseline time / lane time).")
+            if not bs.empty:
+                lines.append(f"Timing and ratios from: {source} (ratio = baseline time / lane time; verdict by "
+                             f"IQR overlap). Sweep best = the lowest median among the sweep's own trials.")
             drift = gs["clock_drift"].fillna(False).astype(bool).sum()
             if drift:
                 lines.append(f"WARNING: {drift} rows had SM clock drift > 10% between start and end of timing.")
@@ -131,7 +148,7 @@ def plots(df: pd.DataFrame, out: Path) -> list[Path]:
         tag = f"{kernel}_{dev}" + ("_emulated" if emu else "")
         shapes = list(dict.fromkeys(g["shape"]))
         dsls = sorted(set(g["dsl"]))
-        for metric, ylabel, name in (("tflops", "TFLOP/s (best config)", "tflops"),
+        for metric, ylabel, name in (("head_tflops", "TFLOP/s (best config)", "tflops"),
                                      ("ratio_to_baseline", "speed vs baseline (>1 faster)", "ratio")):
             if g[metric].isna().all():
                 continue
@@ -139,6 +156,7 @@ def plots(df: pd.DataFrame, out: Path) -> list[Path]:
             width = 0.8 / max(1, len(dsls))
             for i, dsl in enumerate(dsls):
                 vals = [g[(g["shape"] == s) & (g["dsl"] == dsl)][metric].max() for s in shapes]
+                vals = [0.0 if pd.isna(v) else v for v in vals]
                 ax.bar([x + i * width for x in range(len(shapes))], vals, width, label=dsl)
             if name == "ratio":
                 ax.axhline(1.0, color="k", lw=0.8)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
@@ -44,9 +45,10 @@ def git_state(root: Path | None = None) -> tuple[str, bool]:
     root = root or Path(__file__).resolve().parent.parent
     fallback = (os.environ.get("LAB_GIT_COMMIT", "unknown"), os.environ.get("LAB_GIT_DIRTY", "0") == "1")
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                                timeout=10).stdout.strip()
-        if not commit:
+        p = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=root, capture_output=True,
+                           text=True, timeout=10)
+        commit = p.stdout.strip()
+        if p.returncode != 0 or not re.fullmatch(r"[0-9a-f]{40}", commit):
             return fallback
         dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
                                     capture_output=True, text=True, timeout=10).stdout.strip())
