@@ -64,17 +64,18 @@ def cmd_preflight(args) -> int:
                 continue
             sp = space.load_space(args.kernel, dsl, tuple(lane.module.TUNABLES))
             s = preflight.summarize(lane, sp, shape, prof, limit, seed=args.seed)
-            rej = ", ".join(f"{k} {v}" for k, v in sorted(s["rejected"].items())) or "none"
-            print(f"  {dsl:8} {s['space']} configs; rejected before compile: {rej}; fit by estimate: {s['fit_estimate']}")
-            if s["compiled"] or s["rows"]:
-                print(f"  {'':8} compiled {s['compiled']} for {prof.target} ({s['compile_errors']} compile errors): "
-                      f"{s['fit_compiled']} fit; estimate == compiler for {s['agree_exact']}/{s['compiled']}, "
-                      f"{len(s['wrong_side_of_limit'])} on the wrong side of the limit")
-                for r in s["disagree"][: args.show]:
-                    print(f"  {'':8}   estimate {r['estimate']:>7} B vs compiled {r['compiled']:>7} B  {json.dumps(r['config'])}")
-            else:
-                note = next((r["error"] for r in s["rows"] if r["error"]), "no AOT compile for this lane")
-                print(f"  {'':8} no compile-verified figure: {note}")
+            rules = sum(v for k, v in s["rejected"].items() if k != "estimate")
+            print(f"  {dsl:8} {s['space']} configs: {rules} break rules, {s['over_estimate']} over the limit by "
+                  f"estimate, {s['fit_estimate']} fit by estimate")
+            if s["unsupported"]:
+                print(f"  {'':8} no compile-verified figure: {s['unsupported']}")
+                continue
+            print(f"  {'':8} compiled {s['sampled']} for {prof.target} (seeded sample of the fitting and over-estimate "
+                  f"configs; --compile-limit -1 for all): {s['fit_compiled']} fit, {s['compile_errors']} compile errors; "
+                  f"estimate == compiler for {s['agree_exact']}/{s['compiled']}; "
+                  f"{len(s['wrong_side_of_limit'])} on the wrong side of the limit")
+            for r in s["disagree"][: args.show]:
+                print(f"  {'':8}   estimate {r['estimate']:>7} B vs compiled {r['compiled']:>7} B  {json.dumps(r['config'])}")
     return 0
 
 

@@ -188,14 +188,18 @@ def summarize(lane: Lane, space: Space, shape: dict, profile: DeviceProfile, com
         est = lane.module.smem_estimate(c, shape, profile.target)
         res = compile_cached(lane, c, shape, profile.target)
         rows.append({"config": c, "estimate": est, "compiled": res.get("smem_bytes"),
-                     "error": res.get("error") or res.get("unsupported")})
+                     "error": res.get("error"), "unsupported": res.get("unsupported")})
+        if res.get("unsupported"):
+            break  # the lane has no ahead-of-time compile at all
     compiled = [r for r in rows if r["compiled"] is not None]
     limit = profile.smem_optin_bytes
     fits_compiled = sum(1 for r in compiled if r["compiled"] <= limit)
     disagree = [r for r in compiled if r["estimate"] is not None and r["estimate"] != r["compiled"]]
     wrong_side = [r for r in compiled if r["estimate"] is not None
                   and (r["estimate"] <= limit) != (r["compiled"] <= limit)]
-    return {"space": len(configs), "rejected": by_stage, "fit_estimate": len(passing),
-            "compiled": len(compiled), "compile_errors": sum(1 for r in rows if r["error"] and r["compiled"] is None),
+    unsupported = next((r["unsupported"] for r in rows if r["unsupported"]), None)
+    return {"space": len(configs), "rejected": by_stage, "fit_estimate": len(passing), "over_estimate": len(over),
+            "sampled": len(to_compile), "unsupported": unsupported,
+            "compiled": len(compiled), "compile_errors": sum(1 for r in rows if r["error"]),
             "fit_compiled": fits_compiled, "agree_exact": len(compiled) - len(disagree),
             "disagree": disagree, "wrong_side_of_limit": wrong_side, "rows": rows, "limit": limit}

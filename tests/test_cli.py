@@ -76,8 +76,11 @@ def test_list_shows_typed_eligibility(lab_env):
 def test_preflight_gb10_reports_fit_and_agreement(lab_env):
     p = lab("preflight", "gemm", "--device", "gb10", "--dsl", "triton", "--compile-limit", "6")
     assert p.returncode == 0, p.stderr
-    assert "limit 101,376 B" in p.stdout and "fit by estimate:" in p.stdout
-    assert "compiled 6 for sm_121a" in p.stdout and "estimate == compiler for" in p.stdout
+    assert "limit 101,376 B" in p.stdout and "fit by estimate" in p.stdout
+    assert "compiled 6 for sm_121a" in p.stdout and "estimate == compiler for 6/6" in p.stdout
+    assert "0 on the wrong side of the limit" in p.stdout
+    p = lab("preflight", "gemm", "--device", "gb10", "--dsl", "torch")
+    assert p.returncode == 0 and "no compile-verified figure" in p.stdout
 
 
 def test_compile_only_sweep_runs_without_gpu(lab_env):
