@@ -42,10 +42,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("LAB_CACHE_DIR", Path.home() / ".cache" / "lab"))
 
 
-def dsl_cache_env(dsl: str, target: str) -> dict:
-    """Per-target compiler cache folders, so a binary for one target is never reused for another."""
-    root = cache_dir() / "dsl" / dsl / target
-    return {"TRITON_CACHE_DIR": str(root / "triton")}
+def lane_cache_env(lane: Lane, target: str) -> dict:
+    """Environment a lane wants for compiling for ``target``: its own per-target cache folders (the
+    lane's optional ``cache_env(folder, target)``), so a binary for one target is never reused for
+    another."""
+    fn = getattr(lane.module, "cache_env", None)
+    return dict(fn(cache_dir() / "dsl" / lane.dsl / target, target)) if fn else {}
 
 
 def _cache_file(lane: Lane, target: str) -> Path:
@@ -67,7 +69,7 @@ def compile_cached(lane: Lane, config: dict, shape: dict, target: str) -> dict:
         cache = {}
     if key in cache:
         return cache[key]
-    os.environ.update(dsl_cache_env(lane.dsl, target))
+    os.environ.update(lane_cache_env(lane, target))
     try:
         result = dict(lane.module.compile_for(config, shape, target))
     except NotImplementedError as exc:

@@ -12,6 +12,8 @@ A lane module defines (see kernels/triton/gemm.py for a full example):
   compile_for(config, shape, target) -> dict        AOT compile, no GPU: {"smem_bytes", ...}
   build(config, shape) -> run(inputs, outputs) [-> optional dict of launch info]
   versions() -> dict                                 package versions that produced the binary
+  cache_env(folder, target) -> dict                  optional: env vars pointing the DSL's compile cache
+                                                     at a per-target folder
 
 The harness never imports a DSL itself: everything DSL-specific goes through these names.
 """

@@ -224,8 +224,7 @@ class Sweep:
         req = self.req
         pool = preflight.CompilePool(req.compile_workers if req.prefetch > 0 else 0)
         if self.runner is None and not self.mode.compile_only:
-            env = preflight.dsl_cache_env("all", self.mode.run_target or "none")
-            self.runner = WorkerRunner("cuda", env={k: v for k, v in env.items()})
+            self.runner = WorkerRunner("cuda")
         try:
             for shape_name in self.shape_names:
                 shape = dict(self.shapes_all[shape_name])
@@ -370,7 +369,8 @@ class Sweep:
                 result, status = {}, "compiled"
             else:
                 task = {"kind": "trial", "kernel": req.kernel, "dsl": lane.dsl, "config": cfg, "shape": shape,
-                        "seed": req.seed * 100003 + trial.number, "l2_bytes": self.l2_bytes, "timing": req.timing}
+                        "seed": req.seed * 100003 + trial.number, "l2_bytes": self.l2_bytes, "timing": req.timing,
+                        "env": preflight.lane_cache_env(lane, self.mode.run_target)}
                 result = self.runner.run(task, req.timeout_s)
                 status = result["status"]
             self.writer.add(self._row(lane, shape_name, shape, cfg, trial.number, status, verdict, result,
@@ -406,7 +406,8 @@ class Sweep:
         entries = list(best.values())
         timing = {**self.req.timing, "budget_ms": 6000.0, "min_time_ms": 500.0, "min_samples": 50}
         task = {"kind": "abab", "kernel": self.req.kernel, "shape": shape, "seed": self.req.seed + 7,
-                "lanes": [(lane.dsl, cfg) for lane, cfg, _, _ in entries], "l2_bytes": self.l2_bytes,
+                "lanes": [(lane.dsl, cfg, preflight.lane_cache_env(lane, self.mode.run_target))
+                          for lane, cfg, _, _ in entries], "l2_bytes": self.l2_bytes,
                 "timing": {**timing, **self.req.confirm_timing}}
         result = self.runner.run(task, self.req.timeout_s * 2)
         if result.get("status") != "ok":

@@ -127,7 +127,8 @@ def run_abab(task: dict) -> dict:
     shape = task["shape"]
     inputs = problem.make_inputs(shape, device, task["seed"])
     fns = []
-    for dsl, config in task["lanes"]:
+    for dsl, config, env in task["lanes"]:
+        os.environ.update(env)  # the lane's per-target compile cache
         run = registry.get(dsl, task["kernel"]).module.build(config, shape)
         outputs = problem.alloc_outputs(shape, device)
         fns.append(lambda run=run, o=outputs: run(inputs, o))

@@ -196,3 +196,25 @@ def test_worker_statuses_crash_hang_and_recovery(lab_env):
         assert runner.restarts >= 3
     finally:
         runner.close()
+
+
+def test_confirm_retimes_best_configs_against_baseline(lab_env):
+    """Real worker on the CPU: the best sim config and the torch baseline are re-timed interleaved,
+    and the report takes its ratio from those rows."""
+    from lab import sweep
+    from lab.report import best_per_dsl, with_ratios
+    from lab.results import load
+    from lab.worker import WorkerRunner
+    (lab_env.sweeps / "gemm" / "sim.toml").write_text(
+        '[params]\nMODE = ["ok", "slow"]\nSMEM_KB = [16]\nSPEED = [1, 8]\nESTIMATE_BIAS_KB = [0]\n')
+    req = _request(lab_env, trials=4, baseline=True, confirm=True,
+                   confirm_timing={"budget_ms": 300.0, "min_time_ms": 5.0, "min_samples": 6})
+    sweep.run(req, present_h100(), runner=WorkerRunner("cpu"), out=lambda *_: None)
+    df = load(lab_env.results)
+    conf = df[df["phase"] == "confirm"]
+    assert sorted(conf["dsl"]) == ["sim", "torch"] and (conf["samples"] >= 6).all()
+    assert conf["timing_stop"].str.startswith("abab").all()
+    best = with_ratios(best_per_dsl(df))
+    assert set(best["timing_source"]) == {"A/B confirm"} and best["ratio_to_baseline"].notna().all()
+    sim_best = best[best["dsl"] == "sim"].iloc[0]
+    assert '"MODE": "ok"' in sim_best["config_json"]  # the sleeping mode never wins

@@ -195,6 +195,11 @@ def _signature(config: dict, shape: dict) -> tuple[object, dict, dict]:
     return fn, sig, consts
 
 
+def cache_env(folder, target: str) -> dict:
+    """Triton's cache folder for this target (the harness passes a per-lane, per-target folder)."""
+    return {"TRITON_CACHE_DIR": str(folder / "triton")}
+
+
 def compile_for(config: dict, shape: dict, target: str) -> dict:
     """Ahead-of-time compile for ``target`` (no GPU needed).
 
