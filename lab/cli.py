@@ -95,6 +95,7 @@ def cmd_sweep(args) -> int:
         kernel=args.kernel, device=args.device, dsls=dsls, shapes=args.shape or None, trials=args.trials,
         timeout_s=args.timeout, sampler=args.sampler, seed=args.seed, storage=args.storage, emulate=args.emulate,
         compile_only=args.compile_only, results_dir=Path(args.results), prefetch=args.prefetch,
+        compile_workers=args.compile_workers,
         baseline=not args.no_baseline, confirm=not args.no_confirm, progress=not args.no_progress)
     sw, summary = sweep.run(req, detect())
     print(f"results: {sw.writer.path} ({len(sw.writer.rows)} rows)")
@@ -145,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--compile-only", action="store_true", help="preflight and compile for the target, run nothing")
     s.add_argument("--results", default="results")
     s.add_argument("--prefetch", type=int, default=2, help="candidates compiled ahead of the GPU (0 = none)")
+    s.add_argument("--compile-workers", type=int, default=2, help="CPU processes for ahead-of-time compiles")
     s.add_argument("--no-baseline", action="store_true", help="do not add the baseline lane")
     s.add_argument("--no-confirm", action="store_true", help="skip the A/B re-timing of the best configs")
     s.add_argument("--no-progress", action="store_true")

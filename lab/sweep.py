@@ -124,10 +124,15 @@ def _distributions(space: space_mod.Space):
     return {k: optuna.distributions.CategoricalDistribution(v) for k, v in space.params.items()}
 
 
-def _fail_dead_trials(study) -> None:
-    """Trials left RUNNING by a killed sweep on this host are marked FAIL (other hosts' are left alone)."""
+def _recover_dead_trials(study, rows_dir: Path) -> None:
+    """Trials left RUNNING by a killed sweep on this host (other hosts' are left alone).
+
+    A kill can fall between writing a trial's row and telling Optuna: such a trial is completed
+    from its row (so the config is not measured twice); any other dead trial is marked FAIL."""
     import optuna
+    from lab.results import load
     host = socket.gethostname()
+    dead = []
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         if t.user_attrs.get("host") != host:
             continue
@@ -137,7 +142,28 @@ def _fail_dead_trials(study) -> None:
         except OSError:
             alive = False
         if not alive:
-            study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
+            dead.append(t)
+    if not dead:
+        return
+    rows = load(rows_dir)
+    rows = rows[(rows["study"] == study.study_name) & (rows["phase"] == "sweep")]
+    storage = study._storage
+    for t in dead:
+        got = rows[rows["trial"] == t.number]
+        if got.empty:
+            storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
+            continue
+        r = got.iloc[-1]
+        status = r["status"]
+        key = space_mod.config_key(json.loads(r["config_json"]))
+        value = float(r["time_ms"]) if status == "ok" else PENALTY_MS
+        measured = status not in ("infeasible",)
+        for k, v in (("status", status), ("config_key", key), ("measured", measured), ("recovered", True)):
+            storage.set_trial_user_attr(t._trial_id, k, v)
+        # The same constraint Trial.set_constraint("ok", ...) records for a live trial.
+        from optuna.trial._trial import _CONSTRAINTS_KEY
+        storage.set_trial_system_attr(t._trial_id, f"{_CONSTRAINTS_KEY}:ok", 0.0 if status == "ok" else 1.0)
+        storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.COMPLETE, [value])
 
 
 class Sweep:
@@ -273,7 +299,7 @@ class Sweep:
                                         sampler=_sampler(req.sampler, req.seed), load_if_exists=True)
         except (ValueError, ImportError) as exc:
             raise LabError(f"cannot open study storage {self.storage}: {exc}") from None
-        _fail_dead_trials(study)
+        _recover_dead_trials(study, self.dir)
         if not study.get_trials(deepcopy=False):
             for seed_cfg in space.seeds:  # known-good starting points from the sweep file
                 study.enqueue_trial(seed_cfg, skip_if_exists=True)

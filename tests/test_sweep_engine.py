@@ -218,3 +218,39 @@ def test_confirm_retimes_best_configs_against_baseline(lab_env):
     assert set(best["timing_source"]) == {"A/B confirm"} and best["ratio_to_baseline"].notna().all()
     sim_best = best[best["dsl"] == "sim"].iloc[0]
     assert '"MODE": "ok"' in sim_best["config_json"]  # the sleeping mode never wins
+
+
+_DIES_AFTER_ROW = textwrap.dedent("""
+    import os, sys
+    from pathlib import Path
+    sys.path.insert(0, sys.argv[2])
+    from tests.test_sweep_engine import SimRunner, _request, present_h100
+    from lab import sweep, results
+    add = results.RunWriter.add
+    def add_then_die(self, row):
+        add(self, row)
+        if len(self.rows) == 3:
+            os._exit(9)  # the row is on disk, Optuna was not told yet
+    results.RunWriter.add = add_then_die
+    class Env:
+        results = Path(sys.argv[1])
+    sweep.run(_request(Env, sampler="random", trials=6, seed=5), present_h100(), runner=SimRunner(), out=lambda *_: None)
+""")
+
+
+def test_kill_between_row_and_study_update_is_recovered(lab_env):
+    from lab import sweep
+    from lab.results import load
+    (lab_env.sweeps / "gemm" / "sim.toml").write_text(
+        '[params]\nMODE = ["ok", "slow"]\nSMEM_KB = [16, 32, 48, 64]\nSPEED = [1, 2, 3]\nESTIMATE_BIAS_KB = [0]\n')
+    script = lab_env.tmp / "dies.py"
+    script.write_text(_DIES_AFTER_ROW)
+    p = subprocess.run([sys.executable, str(script), str(lab_env.results), str(lab_env.root)], env=os.environ.copy())
+    assert p.returncode == 9
+    before = load(lab_env.results)
+    assert len(before) == 3
+    runner = SimRunner()
+    sweep.run(_request(lab_env, sampler="random", trials=6, seed=5), present_h100(), runner=runner, out=lambda *_: None)
+    after = load(lab_env.results)
+    assert not ({json.dumps(c, sort_keys=True) for c in runner.seen} & set(before["config_json"]))
+    assert len(after) == 6 == after["config_json"].nunique()
