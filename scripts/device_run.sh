@@ -16,10 +16,13 @@ else
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 [ -f /opt/labsite/env.sh ] && source /opt/labsite/env.sh
+# TileLang finds nvcc through CUDA_HOME.
+[ -z "${CUDA_HOME:-}" ] && [ -d /usr/local/cuda ] && export CUDA_HOME=/usr/local/cuda
 {
   date -u +%FT%TZ
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
   python3 -c 'import torch, triton, optuna; print("torch", torch.__version__, "triton", triton.__version__, "optuna", optuna.__version__)'
+  python3 -m lab list gemm --device h100
   python3 -m lab devices
 } 2>&1 | tee "$OUT/env.txt"
 rc=0

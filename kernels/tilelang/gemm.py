@@ -1,0 +1,373 @@
+"""TileLang GEMM lane: C = A @ B with fp32 accumulation, C in the input dtype.
+
+One tiled kernel: each CTA owns a ``block_M x block_N`` tile of C, walks K in ``block_K`` steps
+under ``T.Pipelined`` (``num_stages`` shared-memory buffers), copies the A and B tiles into shared
+memory with ``T.copy`` and accumulates them with ``T.gemm`` into a register fragment, then stores the
+tile (directly from registers, or staged through a shared tile when ``epilogue = "smem"``).
+
+What TileLang 0.1.15 makes of it depends on the target (read from the generated CUDA source):
+  * sm_90a: TMA bulk loads into swizzled shared memory, a producer warpgroup (128 extra threads,
+    warp specialization) feeding ``threads/128`` consumer warpgroups issuing wgmma;
+  * sm_100a / sm_120a / sm_121a: TMA loads + warp specialization as well, but the fragment
+    accumulator makes T.gemm lower to warp-level mma.sync (tcgen05 needs a tensor-memory
+    accumulator, which this lane does not use), so sm_100a runs without its fastest MMA path;
+  * sm_80/86/89: cp.async pipelining + mma.sync.
+  A tile that leaves a warpgroup fewer than 64 rows (e.g. block_M = 32) silently drops sm_90a to
+  mma.sync too; T.gemm's policy is a preference, TileLang picks the warp partition it can tile.
+Ragged shapes: TMA zero-fills out-of-bounds boxes and TileLang guards every other global access
+(checked in the generated source for M=197 N=136 K=264 and, with K rows that are not 16-byte
+aligned, M=1531 N=1023 K=777, where TileLang itself falls back from TMA to guarded cp.async).
+
+Tunables (the ones TileLang really exposes for this kernel):
+  block_M, block_N, block_K   tile shape
+  num_stages                  pipeline depth (shared-memory buffers of A and B)
+  threads                     threads per CTA for the MMA (128 or 256: one or two warpgroups);
+                              with warp specialization the launch adds a 128-thread producer group
+  panel_size                  T.use_swizzle rasterization panel width in CTAs (0: plain row order)
+  policy                      GemmWarpPolicy: how warps split the tile (Square, FullRow, FullCol)
+  epilogue                    "direct": fragment -> global; "smem": fragment -> shared -> global
+  tma                         False sets pass config tl.disable_tma_lower: the shared C tile is
+                              stored by threads instead of a TMA store (only matters with the
+                              smem epilogue; 0.1.15 marks the flag deprecated and warns)
+  warp_specialized            False sets tl.disable_warp_specialized: no producer warpgroup and
+                              no TMA loads; one role with a cp.async software pipeline
+  aggressive_smem_merge       True sets tl.enable_aggressive_shared_memory_merge
+(Pass-config names from tilelang.transform.PassConfigKey in the installed 0.1.15.)
+
+Measured on an H100 (bf16, through lab.worker trials, cuBLAS in the same run): the default
+(128x256x64, 3 stages, 256 threads, smem epilogue) ran 4096^3 in 188 us (cuBLAS 181 us, 0.96x)
+and 8192^3 in 1.56 ms (cuBLAS 1.52 ms, 0.97x); with 4 stages 0.97x / 0.99x. The direct epilogue
+was 5-10% slower, warp_specialized = false about 25% slower.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+
+import torch
+import tilelang
+import tilelang.language as T
+import tvm
+from tilelang.transform import PassConfigKey
+
+DSL = "tilelang"
+KERNEL = "gemm"
+TUNABLES = ("block_M", "block_N", "block_K", "num_stages", "threads", "panel_size", "policy",
+            "epilogue", "tma", "warp_specialized", "aggressive_smem_merge")
+DEFAULTS = {"block_M": 128, "block_N": 256, "block_K": 64, "num_stages": 3, "threads": 256,
+            "panel_size": 10, "policy": "Square", "epilogue": "smem", "tma": True,
+            "warp_specialized": True, "aggressive_smem_merge": False}
+TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_120a", "sm_121a")
+DTYPES = ("float16", "bfloat16")
+POLICIES = ("Square", "FullRow", "FullCol")
+EPILOGUES = ("direct", "smem")
+_ELEM = {"float16": 2, "bfloat16": 2}
+
+
+def _cc(target: str) -> int:
+    return int(target.removeprefix("sm_").rstrip("a"))
+
+
+def config_reason(config: dict, shape: dict) -> str | None:
+    """Why ``config`` cannot run ``shape`` (None when it can). Pure arithmetic, no compile.
+
+    Ragged M, N, K are handled by the generated code (TMA zero fill, guarded copies), so no shape
+    is refused for raggedness; only dtypes and malformed configs are."""
+    config = {**DEFAULTS, **config}
+    if shape["dtype"] not in DTYPES:
+        return f"dtype {shape['dtype']} not supported (have {', '.join(DTYPES)})"
+    for key in ("block_M", "block_N", "block_K"):
+        v = config[key]
+        if not isinstance(v, int) or v < 16 or v & (v - 1):
+            return f"{key}={v} must be a power of two >= 16"
+    if config["threads"] not in (128, 256):
+        return f"threads={config['threads']} must be 128 or 256"
+    if not isinstance(config["num_stages"], int) or not 1 <= config["num_stages"] <= 6:
+        return f"num_stages={config['num_stages']} must be in 1..6"
+    warps = config["threads"] // 32
+    # TileLang needs every warp to own a multiple of 16 rows x 8 columns of C; this lab rule asks
+    # for a 16x16 block per warp (TileLang: "No valid warp partition for T.gemm" otherwise).
+    if config["block_M"] * config["block_N"] < warps * 16 * 16:
+        return f"tile {config['block_M']}x{config['block_N']} too small for {warps} warps (16x16 of C per warp)"
+    if config["panel_size"] < 0:
+        return f"panel_size={config['panel_size']} must be >= 0 (0 disables rasterization)"
+    if config["policy"] not in POLICIES:
+        return f"policy={config['policy']!r} must be one of {', '.join(POLICIES)}"
+    if config["epilogue"] not in EPILOGUES:
+        return f"epilogue={config['epilogue']!r} must be one of {', '.join(EPILOGUES)}"
+    for key in ("tma", "warp_specialized", "aggressive_smem_merge"):
+        if not isinstance(config[key], bool):
+            return f"{key}={config[key]!r} must be true or false"
+    return None
+
+
+def eligibility(target: str) -> str | None:
+    """Why this lane cannot compile for ``target`` (None when it can)."""
+    if target not in TARGETS:
+        return f"tilelang gemm has no path for {target} (has {', '.join(TARGETS)})"
+    return None
+
+
+def target_reason(config: dict, target: str) -> str | None:
+    """Config rules that depend on the compile target."""
+    config = {**DEFAULTS, **config}
+    cc = _cc(target)
+    if cc < 90 and (config["tma"] is False or config["warp_specialized"] is False):
+        # TMA and warp specialization do not exist before sm_90: the flags would change nothing,
+        # so only the default spelling is accepted (keeps the search space free of duplicates).
+        return f"tma / warp_specialized are sm_90+ features; leave them true on {target}"
+    return None
+
+
+def _pass_configs(config: dict) -> dict:
+    pc = {}
+    if not config["tma"]:
+        pc[PassConfigKey.TL_DISABLE_TMA_LOWER.value] = True
+    if not config["warp_specialized"]:
+        pc[PassConfigKey.TL_DISABLE_WARP_SPECIALIZED.value] = True
+    if config["aggressive_smem_merge"]:
+        pc[PassConfigKey.TL_ENABLE_AGGRESSIVE_SHARED_MEMORY_MERGE.value] = True
+    return pc
+
+
+def smem_estimate(config: dict, shape: dict, target: str) -> int:
+    """Analytic shared memory per CTA in bytes (dynamic + static), modelled on TileLang 0.1.15.
+
+    Dynamic: ``num_stages`` copies of the A tile (block_M x block_K) and the B tile
+    (block_K x block_N) in the input dtype; with ``epilogue = "smem"`` the C tile
+    (block_M x block_N) is added unless the shared-memory planner reuses the operand buffers
+    for it (it does: the C tile is live only after the K loop), so the dynamic size is
+    max(operands, C tile); except with ``aggressive_smem_merge`` on sm_100+ under the warp-
+    specialized pipeline, where the compiler keeps them apart (operands + C tile). TileLang
+    rounds each buffer to its alignment, which for these power-of-two tiles changes nothing.
+    Static: 1 KiB when the warp-specialized TMA pipeline keeps its mbarriers there, else 0 (see
+    ``_static_smem``). Tests hold the estimate to the compiled figure (dynamic + static) exactly.
+    """
+    config = {**DEFAULTS, **config}
+    elem = _ELEM[shape["dtype"]]
+    bm, bn, bk, st = config["block_M"], config["block_N"], config["block_K"], config["num_stages"]
+    operands = st * (bm * bk + bk * bn) * elem
+    dyn = operands
+    if config["epilogue"] == "smem":
+        dyn = max(operands, bm * bn * elem)
+        if config["aggressive_smem_merge"] and _cc(target) >= 100 and _warp_specialized(config, shape, target):
+            # Measured: on sm_100a/120a/121a (mma.sync under the TMA warp-specialized pipeline)
+            # the aggressive merge leaves the C tile beside the operand buffers instead of on them.
+            dyn = operands + bm * bn * elem
+    return dyn + _static_smem(config, shape, target)
+
+
+def _tma_rows(shape: dict) -> tuple[bool, bool]:
+    """Whether A's and B's row strides allow TMA (16-byte aligned: K, N multiples of 8 in 2-byte dtypes)."""
+    elem = _ELEM[shape["dtype"]]
+    return (shape["K"] * elem) % 16 == 0, (shape["N"] * elem) % 16 == 0
+
+
+def _static_smem(config: dict, shape: dict, target: str) -> int:
+    """Static shared memory the launch adds to the dynamic size (what the driver reports as
+    CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES), for TileLang 0.1.15 kernels.
+
+    The warp-specialized TMA pipeline keeps its mbarrier array (2 x num_stages x 8 B) in static
+    shared memory; TileLang aligns the dynamic buffer to 1024 B, so that rounds up to 1 KiB.
+    TileLang builds that pipeline on sm_90+ when warp specialization is on and at least one of
+    A, B can be loaded by TMA (row stride a multiple of 16 B); otherwise it falls back to
+    cp.async with no static variables. Measured on an H100: driver static 1024 B (WS) and 0
+    (no WS); the launch accepted a dynamic size up to 232,448 - static B, not more.
+    """
+    return 1024 if _warp_specialized(config, shape, target) else 0
+
+
+def _warp_specialized(config: dict, shape: dict, target: str) -> bool:
+    """Whether TileLang builds the warp-specialized TMA pipeline for this config, shape and target."""
+    return _cc(target) >= 90 and config["warp_specialized"] and any(_tma_rows(shape))
+
+
+# --------------------------------------------------------------------------------------------
+# kernel
+
+
+def _program(config: dict, shape: dict):
+    M, N, K = shape["M"], shape["N"], shape["K"]
+    dtype = shape["dtype"]
+    bm, bn, bk = config["block_M"], config["block_N"], config["block_K"]
+    stages, threads, panel = config["num_stages"], config["threads"], config["panel_size"]
+    policy = getattr(T.GemmWarpPolicy, config["policy"])
+    smem_epilogue = config["epilogue"] == "smem"
+
+    @T.prim_func
+    def gemm(A: T.Tensor((M, K), dtype), B: T.Tensor((K, N), dtype), C: T.Tensor((M, N), dtype)):
+        with T.Kernel(T.ceildiv(N, bn), T.ceildiv(M, bm), threads=threads) as (bx, by):
+            a_s = T.alloc_shared((bm, bk), dtype)
+            b_s = T.alloc_shared((bk, bn), dtype)
+            acc = T.alloc_fragment((bm, bn), "float32")
+            if smem_epilogue:
+                c_s = T.alloc_shared((bm, bn), dtype)
+            # Grouped rasterization: CTAs launched together share A rows / B columns in L2.
+            T.use_swizzle(panel_size=max(panel, 1), enable=panel > 0)
+            T.clear(acc)
+            for k in T.Pipelined(T.ceildiv(K, bk), num_stages=stages):
+                T.copy(A[by * bm, k * bk], a_s)
+                T.copy(B[k * bk, bx * bn], b_s)
+                T.gemm(a_s, b_s, acc, policy=policy)
+            if smem_epilogue:
+                T.copy(acc, c_s)
+                T.copy(c_s, C[by * bm, bx * bn])
+            else:
+                T.copy(acc, C[by * bm, bx * bn])
+
+    return gemm
+
+
+# --------------------------------------------------------------------------------------------
+# compile
+
+
+def _target(target: str) -> tvm.target.Target:
+    # 0.1.15 takes a dict for target attributes (tilelang.compile docstring); "arch" carries the
+    # "a" suffix that enables wgmma / setmaxnreg on sm_90a.
+    return tvm.target.Target({"kind": "cuda", "arch": target})
+
+
+def _lower(config: dict, shape: dict, target: str):
+    """TileLang lowering to CUDA source (no nvcc): the artifact with the device module."""
+    tgt = _target(target)
+    with tvm.transform.PassContext(opt_level=3, config=_pass_configs(config)), tgt:
+        return tilelang.lower(_program(config, shape), target=tgt)
+
+
+def _dynamic_smem(artifact) -> int:
+    sizes = [int(f.attrs["dyn_shared_memory_buf"]) for f in artifact.device_mod.functions.values()
+             if f.attrs is not None and "dyn_shared_memory_buf" in f.attrs]
+    return max(sizes, default=0)
+
+
+def _cuobjdump() -> str:
+    for cand in (shutil.which("cuobjdump"), "/usr/local/cuda/bin/cuobjdump"):
+        if cand and os.path.exists(cand):
+            return cand
+    import triton  # ships a cuobjdump with its NVIDIA backend
+    cand = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if os.path.exists(cand):
+        return cand
+    raise FileNotFoundError("cuobjdump not found (PATH, /usr/local/cuda/bin, triton's bundled copy)")
+
+
+def _resource_usage(cubin: bytes, target: str) -> dict:
+    """Static shared memory and registers per thread of the kernel in ``cubin`` (cuobjdump).
+
+    On sm_90 and newer, cuobjdump's SHARED counts 1 KiB more than the driver's static size
+    (CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES): a plain nvcc kernel with no shared variables reads
+    SHARED:1024 for sm_90a and sm_121a, and on an H100 TileLang cubins reading 2048 / 1024 had
+    driver static sizes 1024 / 0. That 1 KiB is the per-block reservation the opt-in limit
+    (232,448 B on H100, 101,376 B on GB10) is already net of, so it is taken off here: the
+    figure returned is what counts against the opt-in limit."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        out = subprocess.run([_cuobjdump(), "--dump-resource-usage", path], capture_output=True,
+                             text=True, check=True).stdout
+    m = re.search(r"REG:(\d+).*?SHARED:(\d+)", out)
+    if not m:
+        raise RuntimeError(f"no resource usage in cuobjdump output: {out[-500:]}")
+    static = int(m.group(2))
+    if _cc(target) >= 90:
+        static = max(0, static - 1024)
+    return {"registers": int(m.group(1)), "static_smem": static}
+
+
+def compile_for(config: dict, shape: dict, target: str) -> dict:
+    """Ahead-of-time compile for ``target`` (no GPU needed).
+
+    Lowers with TileLang for the explicit target, compiles the CUDA source to a cubin with the
+    same nvcc callback and flags ``tilelang.compile`` uses (with TileLang's caches turned off, so a
+    binary is never shared between targets), and returns ``{"smem_bytes", "registers",
+    "compile_s", "binary": "cubin"}``: smem_bytes = the dynamic size the launch requests (the
+    device function's ``dyn_shared_memory_buf``) + the cubin's static shared memory (cuobjdump,
+    less the 1 KiB reservation it counts on sm_90+: see ``_resource_usage``).
+    """
+    config = {**DEFAULTS, **config}
+    from tilelang.cuda.backend import tilelang_callback_cuda_compile
+    from tilelang.env import CacheState
+
+    t0 = time.perf_counter()
+    art = _lower(config, shape, target)
+    was_enabled = CacheState.is_enabled()
+    CacheState.disable()
+    try:
+        cubin = bytes(tilelang_callback_cuda_compile(art.kernel_source, _target(target), _pass_configs(config)))
+    finally:
+        if was_enabled:
+            CacheState.enable()
+    seconds = time.perf_counter() - t0
+    usage = _resource_usage(cubin, target)
+    return {"smem_bytes": _dynamic_smem(art) + usage["static_smem"], "registers": usage["registers"],
+            "compile_s": seconds, "binary": "cubin", "dynamic_smem": _dynamic_smem(art),
+            "static_smem": usage["static_smem"]}
+
+
+# --------------------------------------------------------------------------------------------
+# launch
+
+
+def _device_target() -> str:
+    major, minor = torch.cuda.get_device_capability()
+    cc = major * 10 + minor
+    # Architecture-specific ("a") targets where they exist: wgmma/setmaxnreg need sm_90a.
+    return f"sm_{cc}a" if cc >= 90 else f"sm_{cc}"
+
+
+def build(config: dict, shape: dict):
+    """Return ``run(inputs, outputs)`` launching the kernel on the current device.
+
+    Compiles once here for the current device's explicit target (never ``target="auto"``:
+    TileLang's kernel cache keys on the target string, so "auto" could reuse a binary built for
+    another GPU); each call only launches, on torch's current stream (TVM-FFI reads it through
+    torch's DLPack exchange API). The static shapes are baked in: build per shape.
+    """
+    config = {**DEFAULTS, **config}
+    target = _device_target()
+    if eligibility(target):
+        raise RuntimeError(eligibility(target))
+    kernel = tilelang.compile(_program(config, shape), target=_target(target), execution_backend="tvm_ffi",
+                              pass_configs=_pass_configs(config))
+    info = _launch_info(kernel, config, shape, target)
+
+    def run(inputs, outputs):
+        kernel(inputs["a"], inputs["b"], outputs["c"])
+        return info
+    return run
+
+
+def _launch_info(kernel, config: dict, shape: dict, target: str) -> dict:
+    """Shared memory (dynamic + static) and registers of the built kernel, from its cubin.
+
+    The dynamic size comes from the lowered device module; a kernel that TileLang loaded from its
+    on-disk cache carries no artifact (``kernel.artifact is None``), so then the program is
+    lowered again (no nvcc, well under a second). The cubin comes through the same nvcc callback
+    with TileLang's binary cache on, which ``tilelang.compile`` has filled for this exact source,
+    target and flags (no second nvcc run). Launch info is best effort: on any failure the figures
+    are None and the kernel still runs."""
+    try:
+        art = kernel.artifact if getattr(kernel, "artifact", None) is not None else _lower(config, shape, target)
+        dyn = _dynamic_smem(art)
+    except Exception:
+        return {"smem_bytes": None, "registers": None, "spills": None}
+    try:
+        from tilelang.cuda.backend import tilelang_callback_cuda_compile
+        cubin = bytes(tilelang_callback_cuda_compile(kernel.get_kernel_source(), _target(target),
+                                                     _pass_configs(config)))
+        usage = _resource_usage(cubin, target)
+    except Exception:
+        return {"smem_bytes": None, "registers": None, "spills": None}
+    return {"smem_bytes": dyn + usage["static_smem"], "registers": usage["registers"], "spills": None}
+
+
+def versions() -> dict:
+    import tvm_ffi
+    return {"tilelang": tilelang.__version__, "apache-tvm-ffi": getattr(tvm_ffi, "__version__", "?"),
+            "torch": torch.__version__}
