@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import re
-import struct
 import tempfile
 import time
 
@@ -38,6 +37,8 @@ import cutlass.pipeline as pipeline
 from cutlass.tensor_utils import LayoutEnum
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
+
+from kernels import _cubin
 
 DSL = "cute"
 KERNEL = "gemm"
@@ -599,46 +600,15 @@ def _launch_dynamic_smem(host_ir: str) -> int:
 
 
 def _cubin_resources(path: str) -> tuple[int, int | None, str]:
-    """(static shared bytes, registers per thread, kernel name) of the single kernel in an ELF cubin.
+    """(static shared bytes, registers per thread, kernel name) of the single kernel in a cubin.
 
-    Static shared memory is the sum of the .nv.shared.* section sizes (the kernel's own and the
-    reserved one); registers come from the EIATTR_REGCOUNT (0x2f) record in .nv.info.
-    Same figures as ``cuobjdump --dump-resource-usage``, without needing a cuobjdump that knows the arch.
+    Static shared memory counts the kernel's .nv.shared section and the reserved one (see
+    kernels/_cubin.py); the same figures as ``cuobjdump --dump-resource-usage``, without needing a
+    cuobjdump that knows the arch.
     """
-    b = open(path, "rb").read()
-    if b[:4] != b"\x7fELF" or b[4] != 2:
-        raise RuntimeError(f"{path} is not a 64-bit ELF cubin")
-    shoff, = struct.unpack_from("<Q", b, 0x28)
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", b, 0x3A)
-    hdrs = [struct.unpack_from("<IIQQQQIIQQ", b, shoff + i * shentsize) for i in range(shnum)]
-    names_off = hdrs[shstrndx][4]
-
-    def name(h):
-        return b[names_off + h[0]: b.index(b"\0", names_off + h[0])].decode()
-
-    static, regs, kernel = 0, None, ""
-    for h in hdrs:
-        n = name(h)
-        if n.startswith(".text."):
-            kernel = n[len(".text."):]
-        if n.startswith(".nv.shared."):
-            static += h[5]
-        elif n == ".nv.info" or n.startswith(".nv.info."):
-            data, i = b[h[4]: h[4] + h[5]], 0
-            while i + 2 <= len(data):
-                fmt, attr = data[i], data[i + 1]
-                if fmt == 4:  # EIFMT_SVAL: u16 size, then payload
-                    size, = struct.unpack_from("<H", data, i + 2)
-                    if attr == 0x2F and size >= 8:
-                        regs = struct.unpack_from("<I", data, i + 8)[0]
-                    i += 4 + size
-                elif fmt == 3:  # EIFMT_HVAL: u16 value
-                    i += 4
-                elif fmt == 2:  # EIFMT_BVAL
-                    i += 4
-                else:  # EIFMT_NVAL
-                    i += 2
-    return static, regs, kernel
+    with open(path, "rb") as f:
+        r = _cubin.resources(f.read())
+    return r["static"] + r["reserved"], r["registers"], r["kernel"]
 
 
 # ---- running -------------------------------------------------------------------------------------

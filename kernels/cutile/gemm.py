@@ -29,11 +29,12 @@ Targets: tileiras 13.5 compiles for sm_80/86/87/88/89/90/100/103/107/110/120/121
 from __future__ import annotations
 
 import io
-import struct
 import time
 
 import torch
 import cuda.tile as ct
+
+from kernels import _cubin
 
 DSL = "cutile"
 KERNEL = "gemm"
@@ -220,40 +221,6 @@ def _signature(config: dict, shape: dict):
 
 # ---- reading the cubin (ELF) -------------------------------------------------------------------
 
-_EIATTR_REGCOUNT, _EIATTR_MIN_STACK_SIZE = 0x2F, 0x12
-
-
-def _elf_sections(data: bytes) -> list[tuple[str, int, int]]:
-    """(name, file offset, size) of every section of a 64-bit little-endian ELF."""
-    shoff, = struct.unpack_from("<Q", data, 0x28)
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
-    heads = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
-    strtab = heads[shstrndx][4]
-    out = []
-    for h in heads:
-        start = strtab + h[0]
-        out.append((data[start:data.index(b"\0", start)].decode(), h[4], h[5]))
-    return out
-
-
-def _nv_info(buf: bytes) -> dict[int, bytes]:
-    """Attributes of a .nv.info section: 4-byte headers (format, attribute, size), EIFMT_SVAL payloads."""
-    out, i = {}, 0
-    while i + 4 <= len(buf):
-        fmt, attr, size = struct.unpack_from("<BBH", buf, i)
-        if fmt == 1:        # EIFMT_NVAL: no value
-            i += 2
-        elif fmt in (2, 3):  # EIFMT_BVAL / EIFMT_HVAL: value in the header
-            out[attr] = struct.pack("<H", size)
-            i += 4
-        elif fmt == 4:      # EIFMT_SVAL: `size` bytes follow
-            out[attr] = buf[i + 4:i + 4 + size]
-            i += 4 + size
-        else:
-            break
-    return out
-
-
 def cubin_resources(cubin: bytes) -> dict:
     """Shared memory, registers and stack of the (single) kernel in a tileiras cubin.
 
@@ -262,21 +229,9 @@ def cubin_resources(cubin: bytes) -> dict:
     the compiler reserves beside it. cuTile kernels use no dynamic shared memory (cuda-tile 1.7.0 JIT
     launches them with none), so this is what a launch requests.
     """
-    kernel_smem = reserved = 0
-    regs = stack = None
-    for name, off, size in _elf_sections(cubin):
-        if name.startswith(".nv.shared.reserved"):
-            reserved += size
-        elif name.startswith(".nv.shared."):
-            kernel_smem += size
-        elif name == ".nv.info":  # per-kernel register count and stack size, keyed by symbol index
-            attrs = _nv_info(cubin[off:off + size])
-            if _EIATTR_REGCOUNT in attrs:
-                regs = struct.unpack_from("<I", attrs[_EIATTR_REGCOUNT], 4)[0]
-            if _EIATTR_MIN_STACK_SIZE in attrs:
-                stack = struct.unpack_from("<I", attrs[_EIATTR_MIN_STACK_SIZE], 4)[0]
-    return {"smem_bytes": kernel_smem + reserved, "smem_static": kernel_smem, "smem_reserved": reserved,
-            "registers": regs, "stack_bytes": stack}
+    r = _cubin.resources(cubin)
+    return {"smem_bytes": r["static"] + r["reserved"], "smem_static": r["static"], "smem_reserved": r["reserved"],
+            "registers": r["registers"], "stack_bytes": r["stack"]}
 
 
 def _compile_cubin(config: dict, shape: dict, gpu_code: str) -> bytes:
