@@ -119,7 +119,14 @@ def markdown(df: pd.DataFrame) -> str:
         lines += [title, ""]
         if emu:
             lines += [f"Configs limited to the {dev} envelope (preflight for {g['preflight_target'].iloc[0]}); "
-                      f"timings are from {gpu}. The baseline library runs unconstrained on that GPU.", ""]
+                      f"timings are from {gpu}, with that GPU's own code generation. The baseline library runs "
+                      f"unconstrained on that GPU.", ""]
+            ok = g[(g["status"] == "ok") & (g["phase"] == "sweep")]
+            over = ok[ok["smem_launched_bytes"] > ok["smem_limit_bytes"]]
+            if not over.empty:
+                lines += [f"Note: {len(over)} of {len(ok)} ok trials launched a binary using more shared memory on "
+                          f"{gpu} than the {dev} limit ({', '.join(sorted(set(over['dsl'])))}): the same config "
+                          f"compiles differently per target, so these timings are not {dev} timings.", ""]
         counts = g[g["phase"] == "sweep"].groupby(["shape", "dsl", "status"]).size().unstack(fill_value=0)
         b = best[(best["requested_profile"] == dev) & (best["emulated"] == emu) & (best["kernel"] == kernel)] \
             if not best.empty else best

@@ -67,5 +67,8 @@ def test_report_marks_emulated(tmp_path):
     from lab.report import write
     from lab.results import RunWriter
     w = RunWriter(tmp_path / "gb10" / "gemm", "run")
-    w.add(_row(requested_profile="gb10", emulated=True, actual_gpu="NVIDIA H100 80GB HBM3"))
-    assert "EMULATED on NVIDIA H100 80GB HBM3" in write(tmp_path).read_text()
+    w.add(_row(requested_profile="gb10", emulated=True, actual_gpu="NVIDIA H100 80GB HBM3",
+               smem_limit_bytes=101_376, smem_compiled_bytes=98_320, smem_launched_bytes=147_480))
+    md = write(tmp_path).read_text()
+    assert "EMULATED on NVIDIA H100 80GB HBM3" in md
+    assert "1 of 1 ok trials launched a binary using more shared memory" in md
