@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 # Imported, not importorskip: a missing DSL must fail the run, never skip it silently.
+from kernels.tilelang import _common as tl
 from kernels.tilelang import gemm
 
 SQ = {"M": 4096, "N": 4096, "K": 4096, "dtype": "bfloat16"}
@@ -15,8 +16,12 @@ ODD = {"M": 1531, "N": 1023, "K": 777, "dtype": "float16"}      # rows not 16-by
 D = gemm.DEFAULTS
 
 
+def _lower(config, shape, target):
+    return tl.lower(gemm._program(config, shape), target, gemm._pass_configs(config))
+
+
 def _src(config, shape, target):
-    return gemm._lower({**D, **config}, shape, target).kernel_source
+    return _lower({**D, **config}, shape, target).kernel_source
 
 
 def test_sm90a_lowers_to_wgmma_tma_warp_specialized():
@@ -78,7 +83,7 @@ def test_lowered_dynamic_smem_matches_model(target):
     for (bm, bn), ep, merge, ws in itertools.product([(128, 256), (256, 64)], ["smem", "direct"], [True, False], [True, False]):
         cfg = {**D, "block_M": bm, "block_N": bn, "block_K": 32, "num_stages": 2, "epilogue": ep,
                "aggressive_smem_merge": merge, "warp_specialized": ws}
-        dyn = gemm._dynamic_smem(gemm._lower(cfg, SQ, target))
+        dyn = tl.dynamic_smem(_lower(cfg, SQ, target))
         if dyn != gemm.smem_estimate(cfg, SQ, target) - gemm._static_smem(cfg, SQ, target):
             bad.append((cfg, dyn))
     assert not bad, bad

@@ -41,18 +41,14 @@ was 5-10% slower, warp_specialized = false about 25% slower.
 """
 from __future__ import annotations
 
-import os
-import re
-import shutil
-import subprocess
-import tempfile
 import time
 
 import torch
 import tilelang
 import tilelang.language as T
-import tvm
 from tilelang.transform import PassConfigKey
+
+from kernels.tilelang import _common as tl
 
 DSL = "tilelang"
 KERNEL = "gemm"
@@ -66,10 +62,6 @@ DTYPES = ("float16", "bfloat16")
 POLICIES = ("Square", "FullRow", "FullCol")
 EPILOGUES = ("direct", "smem")
 _ELEM = {"float16": 2, "bfloat16": 2}
-
-
-def _cc(target: str) -> int:
-    return int(target.removeprefix("sm_").rstrip("a"))
 
 
 def config_reason(config: dict, shape: dict) -> str | None:
@@ -115,7 +107,7 @@ def eligibility(target: str) -> str | None:
 def target_reason(config: dict, target: str) -> str | None:
     """Config rules that depend on the compile target."""
     config = {**DEFAULTS, **config}
-    cc = _cc(target)
+    cc = tl.cc(target)
     if cc < 90 and (config["tma"] is False or config["warp_specialized"] is False):
         # TMA and warp specialization do not exist before sm_90: the flags would change nothing,
         # so only the default spelling is accepted (keeps the search space free of duplicates).
@@ -154,7 +146,7 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
     dyn = operands
     if config["epilogue"] == "smem":
         dyn = max(operands, bm * bn * elem)
-        if config["aggressive_smem_merge"] and _cc(target) >= 100 and _warp_specialized(config, shape, target):
+        if config["aggressive_smem_merge"] and tl.cc(target) >= 100 and _warp_specialized(config, shape, target):
             # Measured: on sm_100a/120a/121a (mma.sync under the TMA warp-specialized pipeline)
             # the aggressive merge leaves the C tile beside the operand buffers instead of on them.
             dyn = operands + bm * bn * elem
@@ -183,7 +175,7 @@ def _static_smem(config: dict, shape: dict, target: str) -> int:
 
 def _warp_specialized(config: dict, shape: dict, target: str) -> bool:
     """Whether TileLang builds the warp-specialized TMA pipeline for this config, shape and target."""
-    return _cc(target) >= 90 and config["warp_specialized"] and any(_tma_rows(shape))
+    return tl.cc(target) >= 90 and config["warp_specialized"] and any(_tma_rows(shape))
 
 
 # --------------------------------------------------------------------------------------------
@@ -226,60 +218,6 @@ def _program(config: dict, shape: dict):
 # compile
 
 
-def _target(target: str) -> tvm.target.Target:
-    # 0.1.15 takes a dict for target attributes (tilelang.compile docstring); "arch" carries the
-    # "a" suffix that enables wgmma / setmaxnreg on sm_90a.
-    return tvm.target.Target({"kind": "cuda", "arch": target})
-
-
-def _lower(config: dict, shape: dict, target: str):
-    """TileLang lowering to CUDA source (no nvcc): the artifact with the device module."""
-    tgt = _target(target)
-    with tvm.transform.PassContext(opt_level=3, config=_pass_configs(config)), tgt:
-        return tilelang.lower(_program(config, shape), target=tgt)
-
-
-def _dynamic_smem(artifact) -> int:
-    sizes = [int(f.attrs["dyn_shared_memory_buf"]) for f in artifact.device_mod.functions.values()
-             if f.attrs is not None and "dyn_shared_memory_buf" in f.attrs]
-    return max(sizes, default=0)
-
-
-def _cuobjdump() -> str:
-    for cand in (shutil.which("cuobjdump"), "/usr/local/cuda/bin/cuobjdump"):
-        if cand and os.path.exists(cand):
-            return cand
-    import triton  # ships a cuobjdump with its NVIDIA backend
-    cand = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if os.path.exists(cand):
-        return cand
-    raise FileNotFoundError("cuobjdump not found (PATH, /usr/local/cuda/bin, triton's bundled copy)")
-
-
-def _resource_usage(cubin: bytes, target: str) -> dict:
-    """Static shared memory and registers per thread of the kernel in ``cubin`` (cuobjdump).
-
-    On sm_90 and newer, cuobjdump's SHARED counts 1 KiB more than the driver's static size
-    (CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES): a plain nvcc kernel with no shared variables reads
-    SHARED:1024 for sm_90a and sm_121a, and on an H100 TileLang cubins reading 2048 / 1024 had
-    driver static sizes 1024 / 0. That 1 KiB is the per-block reservation the opt-in limit
-    (232,448 B on H100, 101,376 B on GB10) is already net of, so it is taken off here: the
-    figure returned is what counts against the opt-in limit."""
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "kernel.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        out = subprocess.run([_cuobjdump(), "--dump-resource-usage", path], capture_output=True,
-                             text=True, check=True).stdout
-    m = re.search(r"REG:(\d+).*?SHARED:(\d+)", out)
-    if not m:
-        raise RuntimeError(f"no resource usage in cuobjdump output: {out[-500:]}")
-    static = int(m.group(2))
-    if _cc(target) >= 90:
-        static = max(0, static - 1024)
-    return {"registers": int(m.group(1)), "static_smem": static}
-
-
 def compile_for(config: dict, shape: dict, target: str) -> dict:
     """Ahead-of-time compile for ``target`` (no GPU needed).
 
@@ -288,37 +226,21 @@ def compile_for(config: dict, shape: dict, target: str) -> dict:
     binary is never shared between targets), and returns ``{"smem_bytes", "registers",
     "compile_s", "binary": "cubin"}``: smem_bytes = the dynamic size the launch requests (the
     device function's ``dyn_shared_memory_buf``) + the cubin's static shared memory (cuobjdump,
-    less the 1 KiB reservation it counts on sm_90+: see ``_resource_usage``).
+    less the 1 KiB reservation it counts on sm_90+: see ``_common.resource_usage``).
     """
     config = {**DEFAULTS, **config}
-    from tilelang.cuda.backend import tilelang_callback_cuda_compile
-    from tilelang.env import CacheState
-
     t0 = time.perf_counter()
-    art = _lower(config, shape, target)
-    was_enabled = CacheState.is_enabled()
-    CacheState.disable()
-    try:
-        cubin = bytes(tilelang_callback_cuda_compile(art.kernel_source, _target(target), _pass_configs(config)))
-    finally:
-        if was_enabled:
-            CacheState.enable()
+    art = tl.lower(_program(config, shape), target, _pass_configs(config))
+    cubin = tl.cubin_of(art.kernel_source, target, _pass_configs(config), use_cache=False)
     seconds = time.perf_counter() - t0
-    usage = _resource_usage(cubin, target)
-    return {"smem_bytes": _dynamic_smem(art) + usage["static_smem"], "registers": usage["registers"],
-            "compile_s": seconds, "binary": "cubin", "dynamic_smem": _dynamic_smem(art),
-            "static_smem": usage["static_smem"]}
+    usage = tl.resource_usage(cubin, target)[0]
+    dyn = tl.dynamic_smem(art)
+    return {"smem_bytes": dyn + usage["static_smem"], "registers": usage["registers"],
+            "compile_s": seconds, "binary": "cubin", "dynamic_smem": dyn, "static_smem": usage["static_smem"]}
 
 
 # --------------------------------------------------------------------------------------------
 # launch
-
-
-def _device_target() -> str:
-    major, minor = torch.cuda.get_device_capability()
-    cc = major * 10 + minor
-    # Architecture-specific ("a") targets where they exist: wgmma/setmaxnreg need sm_90a.
-    return f"sm_{cc}a" if cc >= 90 else f"sm_{cc}"
 
 
 def build(config: dict, shape: dict):
@@ -330,10 +252,10 @@ def build(config: dict, shape: dict):
     torch's DLPack exchange API). The static shapes are baked in: build per shape.
     """
     config = {**DEFAULTS, **config}
-    target = _device_target()
+    target = tl.device_target()
     if eligibility(target):
         raise RuntimeError(eligibility(target))
-    kernel = tilelang.compile(_program(config, shape), target=_target(target), execution_backend="tvm_ffi",
+    kernel = tilelang.compile(_program(config, shape), target=tl.tvm_target(target), execution_backend="tvm_ffi",
                               pass_configs=_pass_configs(config))
     info = _launch_info(kernel, config, shape, target)
 
@@ -353,15 +275,11 @@ def _launch_info(kernel, config: dict, shape: dict, target: str) -> dict:
     target and flags (no second nvcc run). Launch info is best effort: on any failure the figures
     are None and the kernel still runs."""
     try:
-        art = kernel.artifact if getattr(kernel, "artifact", None) is not None else _lower(config, shape, target)
-        dyn = _dynamic_smem(art)
-    except Exception:
-        return {"smem_bytes": None, "registers": None, "spills": None}
-    try:
-        from tilelang.cuda.backend import tilelang_callback_cuda_compile
-        cubin = bytes(tilelang_callback_cuda_compile(kernel.get_kernel_source(), _target(target),
-                                                     _pass_configs(config)))
-        usage = _resource_usage(cubin, target)
+        art = kernel.artifact if getattr(kernel, "artifact", None) is not None else \
+            tl.lower(_program(config, shape), target, _pass_configs(config))
+        dyn = tl.dynamic_smem(art)
+        cubin = tl.cubin_of(kernel.get_kernel_source(), target, _pass_configs(config), use_cache=True)
+        usage = tl.resource_usage(cubin, target)[0]
     except Exception:
         return {"smem_bytes": None, "registers": None, "spills": None}
     return {"smem_bytes": dyn + usage["static_smem"], "registers": usage["registers"], "spills": None}

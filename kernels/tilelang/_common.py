@@ -1,0 +1,97 @@
+"""Compile plumbing shared by the TileLang lanes (TileLang 0.1.15): explicit targets, lowering
+without nvcc, AOT cubins with TileLang's own nvcc callback, and resource figures from cuobjdump."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+
+import torch
+import tilelang
+import tvm
+
+
+def cc(target: str) -> int:
+    return int(target.removeprefix("sm_").rstrip("a"))
+
+
+def tvm_target(target: str) -> tvm.target.Target:
+    # 0.1.15 takes a dict for target attributes (tilelang.compile docstring); "arch" carries the
+    # "a" suffix that enables wgmma / setmaxnreg on sm_90a.
+    return tvm.target.Target({"kind": "cuda", "arch": target})
+
+
+def device_target() -> str:
+    """The current GPU's explicit target: architecture-specific ("a") where it exists."""
+    major, minor = torch.cuda.get_device_capability()
+    c = major * 10 + minor
+    return f"sm_{c}a" if c >= 90 else f"sm_{c}"
+
+
+def lower(program, target: str, pass_configs: dict):
+    """TileLang lowering to CUDA source (no nvcc): the artifact with the device module."""
+    tgt = tvm_target(target)
+    with tvm.transform.PassContext(opt_level=3, config=pass_configs), tgt:
+        return tilelang.lower(program, target=tgt)
+
+
+def dynamic_smem(artifact) -> int:
+    """Dynamic shared memory (bytes) the launch requests: the device function's dyn_shared_memory_buf."""
+    sizes = [int(f.attrs["dyn_shared_memory_buf"]) for f in artifact.device_mod.functions.values()
+             if f.attrs is not None and "dyn_shared_memory_buf" in f.attrs]
+    return max(sizes, default=0)
+
+
+def cubin_of(source: str, target: str, pass_configs: dict, use_cache: bool) -> bytes:
+    """nvcc through TileLang's own callback and flags; ``use_cache=False`` turns TileLang's binary
+    cache off so that a binary is never shared between targets."""
+    from tilelang.cuda.backend import tilelang_callback_cuda_compile
+    from tilelang.env import CacheState
+    was_enabled = CacheState.is_enabled()
+    if not use_cache:
+        CacheState.disable()
+    try:
+        return bytes(tilelang_callback_cuda_compile(source, tvm_target(target), pass_configs))
+    finally:
+        if was_enabled and not use_cache:
+            CacheState.enable()
+
+
+def _cuobjdump() -> str:
+    for cand in (shutil.which("cuobjdump"), "/usr/local/cuda/bin/cuobjdump"):
+        if cand and os.path.exists(cand):
+            return cand
+    import triton  # ships a cuobjdump with its NVIDIA backend
+    cand = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if os.path.exists(cand):
+        return cand
+    raise FileNotFoundError("cuobjdump not found (PATH, /usr/local/cuda/bin, triton's bundled copy)")
+
+
+def resource_usage(cubin: bytes, target: str) -> list[dict]:
+    """Per kernel in ``cubin``: name, registers per thread and static shared memory (bytes).
+
+    On sm_90 and newer, cuobjdump's SHARED counts 1 KiB more than the driver's static size
+    (CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES): a plain nvcc kernel with no shared variables reads
+    SHARED:1024 for sm_90a and sm_121a, and on an H100 TileLang cubins reading 2048 / 1024 had
+    driver static sizes 1024 / 0. That 1 KiB is the per-block reservation the opt-in limit
+    (232,448 B on H100, 101,376 B on GB10) is already net of, so it is taken off here: the
+    figure returned is what counts against the opt-in limit."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        out = subprocess.run([_cuobjdump(), "--dump-resource-usage", path], capture_output=True,
+                             text=True, check=True).stdout
+    found = re.findall(r"Function ([^\s:]+):\s*\n?\s*REG:(\d+).*?SHARED:(\d+)", out)
+    if not found:
+        raise RuntimeError(f"no resource usage in cuobjdump output: {out[-500:]}")
+    res = []
+    for name, reg, shared in found:
+        static = int(shared)
+        if cc(target) >= 90:
+            static = max(0, static - 1024)
+        res.append({"name": name, "registers": int(reg), "static_smem": static})
+    return res

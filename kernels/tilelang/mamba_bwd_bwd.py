@@ -1,0 +1,590 @@
+"""TileLang lane for mamba_bwd_bwd (the Mamba-3 MIMO backward kernel "bwd_bwd").
+
+Design: chunk-parallel, three kernels instead of upstream's one CTA per (batch, head) walking the
+chunks serially. The only serial dependency of bwd_bwd is the state gradient
+dS_{c-1} = exp(DA_CS_last(c)) dS_c + q_hat_c^T (exp(DA_CS) * dy_c), an N x P linear recurrence; once
+every dS_c is known, each chunk's work (about ten GEMMs and all the elementwise math) is independent.
+
+1. ``scan``: grid (H, B, N/scan_block_N * P/scan_block_P). Each CTA walks the chunks in reverse
+   for one (block_N x block_P) tile of dS, writing dS_c (bf16, the GEMM operand dtype upstream uses
+   too) to a workspace [B, H, nc, N, P]. Per step: q_hat tile (bias + rotary), dy tile (Phi, SiLU
+   gate, exp(DA_CS)), one GEMM. Tiling N and P gives B*H*tiles CTAs instead of B*H.
+2. ``chunk``: grid (nc, H, B), one CTA per chunk: all outputs except the cross-chunk sums, plus
+   per-chunk partials of DMIMO_V [B,H,nc,R,P] and DD [B,H,nc] (workspaces).
+3. ``reduce``: grid (H, B): DMIMO_V and DD summed over chunks (deterministic, no atomics).
+
+Precision follows upstream: GEMM operands in the input dtype (bf16/fp16), fp32 accumulation, the
+elementwise math and every partial in fp32.
+
+Tunables:
+  threads             threads of the chunk kernel (128 / 256 / 512)
+  scan_threads        threads of the scan kernel (128 / 256)
+  scan_block_N/P      dS tile of one scan CTA (divides N / P)
+  scan_stages         T.Pipelined stages of the scan's chunk loop (0: no software pipelining)
+  swizzle             swizzled layouts for the chunk kernel's GEMM operand tiles
+  tma                 False sets tl.disable_tma_lower
+  warp_specialized    False sets tl.disable_warp_specialized
+  fast_math           True sets tl.enable_fast_math (fast exp/sin/cos)
+  aggressive_smem_merge  True sets tl.enable_aggressive_shared_memory_merge (lifetime-based reuse
+                      of shared buffers: what fits the chunk kernel in GB10's 99 KiB at N = P = 64)
+Chunk size C is a problem parameter (it fixes STATES and SEGSUM), not a tunable.
+"""
+
+import time
+
+import torch
+import tilelang
+import tilelang.language as T
+from tilelang.transform import PassConfigKey
+
+from kernels.tilelang import _common as tl
+
+DSL = "tilelang"
+KERNEL = "mamba_bwd_bwd"
+TUNABLES = ("threads", "scan_threads", "scan_block_N", "scan_block_P", "scan_stages", "swizzle", "tma",
+            "warp_specialized", "fast_math", "aggressive_smem_merge")
+DEFAULTS = {"threads": 256, "scan_threads": 128, "scan_block_N": 64, "scan_block_P": 32, "scan_stages": 0,
+            "swizzle": True, "tma": False, "warp_specialized": False, "fast_math": True,
+            "aggressive_smem_merge": True}
+TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_120a", "sm_121a")
+DTYPES = ("float16", "bfloat16")
+F32 = "float32"
+
+
+def config_reason(config: dict, shape: dict) -> str | None:
+    """Why ``config`` cannot run ``shape`` (None when it can). Pure arithmetic, no compile."""
+    c = {**DEFAULTS, **config}
+    if shape["dtype"] not in DTYPES:
+        return f"dtype {shape['dtype']} not supported (have {', '.join(DTYPES)})"
+    if c["threads"] not in (128, 256, 512):
+        return f"threads={c['threads']} must be 128, 256 or 512"
+    if c["scan_threads"] not in (128, 256):
+        return f"scan_threads={c['scan_threads']} must be 128 or 256"
+    if not isinstance(c["scan_stages"], int) or not 0 <= c["scan_stages"] <= 3:
+        return f"scan_stages={c['scan_stages']} must be in 0..3"
+    for key, dim in (("scan_block_N", "N"), ("scan_block_P", "P")):
+        v = c[key]
+        if not isinstance(v, int) or v < 16 or shape[dim] % v:
+            return f"{key}={v} must be >= 16 and divide {dim}={shape[dim]}"
+    for key in ("swizzle", "tma", "warp_specialized", "fast_math", "aggressive_smem_merge"):
+        if not isinstance(c[key], bool):
+            return f"{key}={c[key]!r} must be true or false"
+    F = shape["C"] * shape["R"]
+    # T.gemm needs each warp to own at least a 16 x 16 tile of every product; the smallest
+    # products are F x F and F x N / F x P (M = F rows).
+    warps = c["threads"] // 32
+    if F * min(F, shape["N"], shape["P"]) < warps * 256 or F % 16 or shape["N"] % 16 or shape["P"] % 16:
+        return f"C*R={F}, N={shape['N']}, P={shape['P']} too small for {warps} warps (16x16 of each product per warp)"
+    if c["scan_block_N"] * c["scan_block_P"] < (c["scan_threads"] // 32) * 256:
+        return f"scan tile {c['scan_block_N']}x{c['scan_block_P']} too small for {c['scan_threads'] // 32} warps"
+    return None
+
+
+def eligibility(target: str) -> str | None:
+    if target not in TARGETS:
+        return f"tilelang mamba_bwd_bwd has no path for {target} (has {', '.join(TARGETS)})"
+    return None
+
+
+def target_reason(config: dict, target: str) -> str | None:
+    c = {**DEFAULTS, **config}
+    if tl.cc(target) < 90 and (c["tma"] or c["warp_specialized"]):
+        return f"tma / warp_specialized are sm_90+ features; leave them false on {target}"
+    return None
+
+
+def _pass_configs(config: dict) -> dict:
+    pc = {}
+    if not config["tma"]:
+        pc[PassConfigKey.TL_DISABLE_TMA_LOWER.value] = True
+    if not config["warp_specialized"]:
+        pc[PassConfigKey.TL_DISABLE_WARP_SPECIALIZED.value] = True
+    if config["fast_math"]:
+        pc[PassConfigKey.TL_ENABLE_FAST_MATH.value] = True
+    if config["aggressive_smem_merge"]:
+        pc[PassConfigKey.TL_ENABLE_AGGRESSIVE_SHARED_MEMORY_MERGE.value] = True
+    return pc
+
+
+def smem_estimate(config: dict, shape: dict, target: str) -> int:
+    """Shared memory per CTA of the chunk kernel (the largest of the three), bytes.
+
+    Sum of its shared buffers (e = element size of the dtype, F = C*R):
+      operand tiles  e * (4 F N + 2 F P + 2 N P + F F)      q, q_hat, k, k_hat, PsiV, dy, S_c, dS_c, masked F x F
+      fp32 scratch   4 * (2 F F + F N + F P + F R + F)      lkq*dkq, dkq, dk/dq rows, dPsiV, dqk, row sums
+      fp32 per step  4 * (4 C + C C + 2 C nr + F R + F nr)  decays, gates, exp(SEGSUM), cos/sin, QK_DOT, dangles
+    With aggressive_smem_merge TileLang reuses buffers whose lifetimes do not overlap; the estimate
+    then takes the peak of the live set at the GEMM that needs the most (see ``_merged``).
+    TileLang aligns buffers to 16 bytes (rounded up per buffer here)."""
+    c = {**DEFAULTS, **config}
+    sizes = _buffers(shape)
+    if c["aggressive_smem_merge"]:
+        return _merged(sizes)
+    return sum(_align(b) for b, _ in sizes.values())
+
+
+def _align(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+def _buffers(shape: dict) -> dict:
+    """name -> (bytes, live interval (first step, last step)) of the chunk kernel's shared buffers.
+    Steps: 0 loads, 1 dPsiV, 2 DV/DMIMO_V/DD, 3 dkq + DSSDA + diag, 4 dk, 5 DK out, 6 DDA,
+    7 dq, 8 DQ out + DANGLES."""
+    C, R, N, P = shape["C"], shape["R"], shape["N"], shape["P"]
+    F, nr = C * R, N // shape["rd"]
+    e = 2
+    return {
+        "qp": (e * F * N, (0, 8)), "qh": (e * F * N, (0, 7)), "kp": (e * F * N, (0, 8)),
+        "kh": (e * F * N, (0, 7)), "psiv": (e * F * P, (0, 4)), "dy": (e * F * P, (0, 7)),
+        "st": (e * N * P, (0, 7)), "ds": (e * N * P, (0, 6)), "w": (e * F * F, (1, 7)),
+        "prod": (4 * F * F, (1, 3)), "dkq": (4 * F * F, (3, 3)), "g": (4 * F * N, (4, 8)),
+        "dpsiv": (4 * F * P, (1, 2)), "dqk": (4 * F * R, (3, 8)), "rows": (4 * F, (2, 8)),
+        "scal": (4 * (4 * C), (0, 8)), "seg": (4 * C * C, (0, 7)), "cs": (4 * 2 * C * nr, (0, 8)),
+        "qkd": (4 * F * R, (0, 3)), "ang": (4 * F * nr, (5, 8)),
+    }
+
+
+def _merged(sizes: dict) -> int:
+    peak = 0
+    for step in range(9):
+        peak = max(peak, sum(_align(b) for b, (lo, hi) in sizes.values() if lo <= step <= hi))
+    return peak
+
+
+# --------------------------------------------------------------------------------------------
+# kernels
+
+
+def _dims(shape: dict):
+    C, R = shape["C"], shape["R"]
+    return (shape["B"], shape["S"], shape["H"], shape["G"], shape["N"], shape["P"], R, C, shape["S"] // C,
+            shape["N"] // shape["rd"], C * R)
+
+
+def _dy_value(DOUT, Z, MIMO_O, MIMO_Z, b, t, r, h, p, shape):
+    """dL/dy at (step t, rank r, head h, column p), fp32: DOUT through Phi and the SiLU(Z*Zeta) gate."""
+    if shape["reduceO"]:
+        d = T.cast(DOUT[b, t, h, p], F32) * MIMO_O[h, r, p]
+    else:
+        d = T.cast(DOUT[b, t, r, h, p], F32)
+    if shape["hasZ"]:
+        zz = T.cast(Z[b, t, h, p], F32) * MIMO_Z[h, r, p]
+        d = d * zz * T.sigmoid(zz)
+    return d
+
+
+def _scan_program(config: dict, shape: dict):
+    B, S, H, G, N, P, R, C, nc, nr, F = _dims(shape)
+    dtype = shape["dtype"]
+    bn, bp, threads, stages = config["scan_block_N"], config["scan_block_P"], config["scan_threads"], config["scan_stages"]
+    tiles_p = P // bp
+    half = N // 2
+    dout_shape = (B, S, H, P) if shape["reduceO"] else (B, S, R, H, P)
+
+    @T.prim_func
+    def scan(Q: T.Tensor((B, S, R, G, N), dtype), Q_BIAS: T.Tensor((H, R, N), F32),
+             ANGLES: T.Tensor((B, S, H, nr), F32), DA_CS: T.Tensor((B, H, S), F32),
+             DOUT: T.Tensor(dout_shape, dtype), Z: T.Tensor((B, S, H, P), dtype),
+             MIMO_O: T.Tensor((H, R, P), F32), MIMO_Z: T.Tensor((H, R, P), F32),
+             DSTATES: T.Tensor((B, H, nc, N, P), dtype)):
+        with T.Kernel(H, B, (N // bn) * tiles_p, threads=threads) as (h, b, tile):
+            hq = h // (H // G)
+            n0 = (tile // tiles_p) * bn
+            p0 = (tile % tiles_p) * bp
+            qh_s = T.alloc_shared((F, bn), dtype)
+            dy_s = T.alloc_shared((F, bp), dtype)
+            ds_s = T.alloc_shared((bn, bp), dtype)
+            ds_f = T.alloc_fragment((bn, bp), F32)
+            T.clear(ds_f)
+            for it in T.Pipelined(nc, num_stages=stages):
+                c = nc - 1 - it
+                T.copy(ds_f, ds_s)
+                T.copy(ds_s, DSTATES[b, h, c, n0:n0 + bn, p0:p0 + bp])
+                for f, j in T.Parallel(F, bn):
+                    t = c * C + f // R
+                    r = f % R
+                    n = n0 + j
+                    m = n % half
+                    partner = T.if_then_else(n < half, n + half, n - half)
+                    x = T.cast(Q[b, t, r, hq, n], F32) + Q_BIAS[h, r, n]
+                    y = T.cast(Q[b, t, r, hq, partner], F32) + Q_BIAS[h, r, partner]
+                    a = ANGLES[b, t, h, T.min(m, nr - 1)]
+                    sgn = T.if_then_else(n < half, -1.0, 1.0)
+                    qh_s[f, j] = T.if_then_else(m < nr, x * T.cos(a) + sgn * y * T.sin(a), x)
+                for f, j in T.Parallel(F, bp):
+                    t = c * C + f // R
+                    dy_s[f, j] = _dy_value(DOUT, Z, MIMO_O, MIMO_Z, b, t, f % R, h, p0 + j, shape) \
+                        * T.exp(DA_CS[b, h, t])
+                for i, j in T.Parallel(bn, bp):
+                    ds_f[i, j] = ds_f[i, j] * T.exp(DA_CS[b, h, c * C + C - 1])
+                T.gemm(qh_s, dy_s, ds_f, transpose_A=True)
+
+    return scan
+
+
+def _per_step_sum_macro(C: int, R: int):
+    @T.macro
+    def per_step_sum(rows_s, c_f, out):
+        """out[t] = sum over the R fused rows of step t of rows_s (a [C*R] shared vector)."""
+        T.clear(c_f)
+        for t in T.Parallel(C):
+            for r in T.serial(R):
+                c_f[t] = c_f[t] + rows_s[t * R + r]
+        T.copy(c_f, out)
+    return per_step_sum
+
+
+def _chunk_program(config: dict, shape: dict):
+    B, S, H, G, N, P, R, C, nc, nr, F = _dims(shape)
+    dtype = shape["dtype"]
+    threads = config["threads"]
+    half = N // 2
+    hasD, hasZ = shape["hasD"], shape["hasZ"]
+    dout_shape = (B, S, H, P) if shape["reduceO"] else (B, S, R, H, P)
+    _per_step_sum = _per_step_sum_macro(C, R)
+
+    @T.prim_func
+    def chunk(Q: T.Tensor((B, S, R, G, N), dtype), K: T.Tensor((B, S, R, G, N), dtype),
+              V: T.Tensor((B, S, H, P), dtype), Q_BIAS: T.Tensor((H, R, N), F32), K_BIAS: T.Tensor((H, R, N), F32),
+              MIMO_V: T.Tensor((H, R, P), F32), MIMO_O: T.Tensor((H, R, P), F32), MIMO_Z: T.Tensor((H, R, P), F32),
+              Z: T.Tensor((B, S, H, P), dtype), D: T.Tensor((H,), F32), ANGLES: T.Tensor((B, S, H, nr), F32),
+              DA_CS: T.Tensor((B, H, S), F32), DA_CS_REV: T.Tensor((B, H, S), F32), DT: T.Tensor((B, H, S), F32),
+              TRAP: T.Tensor((B, H, S), dtype), STATES: T.Tensor((B, H, nc, N, P), "bfloat16"),
+              QK_DOT: T.Tensor((B, H, S, R, R), dtype), SEGSUM: T.Tensor((B, H, nc, C, C), F32),
+              DOUT: T.Tensor(dout_shape, dtype), DSTATES: T.Tensor((B, H, nc, N, P), dtype),
+              DQ: T.Tensor((B, S * R, H, N), dtype), DK: T.Tensor((B, S * R, H, N), dtype),
+              DV: T.Tensor((B, S, H, P), dtype), DANGLES: T.Tensor((B, S, H, nr), F32),
+              DFACTOR: T.Tensor((B, H, S), F32), DGAMMA_DIAG: T.Tensor((B, H, S), F32),
+              DDA: T.Tensor((B, H, S), F32), DDA_CS: T.Tensor((B, H, S), F32), DDA_CS_REV: T.Tensor((B, H, S), F32),
+              DSSDA: T.Tensor((B, H, nc, C, C), F32), DMV_PART: T.Tensor((B, H, nc, R, P), F32),
+              DD_PART: T.Tensor((B, H, nc), F32)):
+        with T.Kernel(nc, H, B, threads=threads) as (c, h, b):
+            hq = h // (H // G)
+            t0 = c * C
+            qp_s = T.alloc_shared((F, N), dtype)
+            qh_s = T.alloc_shared((F, N), dtype)
+            kp_s = T.alloc_shared((F, N), dtype)
+            kh_s = T.alloc_shared((F, N), dtype)
+            psiv_s = T.alloc_shared((F, P), dtype)
+            dy_s = T.alloc_shared((F, P), dtype)
+            st_s = T.alloc_shared((N, P), dtype)
+            ds_s = T.alloc_shared((N, P), dtype)
+            w_s = T.alloc_shared((F, F), dtype)
+            prod_s = T.alloc_shared((F, F), F32)
+            dkq_s = T.alloc_shared((F, F), F32)
+            g_s = T.alloc_shared((F, N), F32)
+            dpsiv_s = T.alloc_shared((F, P), F32)
+            dqk_s = T.alloc_shared((F, R), F32)
+            rows_s = T.alloc_shared((F,), F32)
+            ea_s = T.alloc_shared((C,), F32)
+            er_s = T.alloc_shared((C,), F32)
+            gam_s = T.alloc_shared((C,), F32)
+            fac_s = T.alloc_shared((C,), F32)
+            seg_s = T.alloc_shared((C, C), F32)
+            cos_s = T.alloc_shared((C, nr), F32)
+            sin_s = T.alloc_shared((C, nr), F32)
+            qkd_s = T.alloc_shared((F, R), F32)
+            ang_s = T.alloc_shared((F, nr), F32)
+            if config["swizzle"]:
+                T.annotate_layout({buf: tilelang.layout.make_swizzled_layout(buf)
+                                   for buf in (qh_s, kh_s, psiv_s, dy_s, st_s, ds_s, w_s)})
+
+            acc_fp = T.alloc_fragment((F, P), F32)
+            acc_ff = T.alloc_fragment((F, F), F32)
+            acc_fn = T.alloc_fragment((F, N), F32)
+            tmp_fn = T.alloc_fragment((F, N), F32)
+            tmp_fp = T.alloc_fragment((F, P), F32)
+            row_f = T.alloc_fragment((F,), F32)
+            tmp_np = T.alloc_fragment((N, P), F32)
+            row_n = T.alloc_fragment((N,), F32)
+            one = T.alloc_fragment((1,), F32)
+            c_f = T.alloc_fragment((C,), F32)
+            dda_f = T.alloc_fragment((C,), F32)
+            row_p = T.alloc_fragment((F,), F32)
+            one_d = T.alloc_fragment((1,), F32)
+            cc_f = T.alloc_fragment((C, C), F32)
+            dv_f = T.alloc_fragment((C, P), F32)
+            dmv_f = T.alloc_fragment((R, P), F32)
+            ang_f = T.alloc_fragment((C, nr), F32)
+
+            # ---- per-step scalars and small tables
+            for t in T.Parallel(C):
+                ea_s[t] = T.exp(DA_CS[b, h, t0 + t])
+                er_s[t] = T.exp(DA_CS_REV[b, h, t0 + t])
+                g = DT[b, h, t0 + t] * T.sigmoid(T.cast(TRAP[b, h, t0 + t], F32))
+                nxt = T.min(t0 + t + 1, S - 1)
+                sh = T.if_then_else(t0 + t + 1 < S, DT[b, h, nxt] * T.sigmoid(-T.cast(TRAP[b, h, nxt], F32)), 0.0)
+                gam_s[t] = g
+                fac_s[t] = g + sh
+            for t, s in T.Parallel(C, C):
+                seg_s[t, s] = T.if_then_else(s < t, T.exp(SEGSUM[b, h, c, t, s]), 0.0)
+            for t, j in T.Parallel(C, nr):
+                cos_s[t, j] = T.cos(ANGLES[b, t0 + t, h, j])
+                sin_s[t, j] = T.sin(ANGLES[b, t0 + t, h, j])
+            for f, i in T.Parallel(F, R):
+                qkd_s[f, i] = T.cast(QK_DOT[b, h, t0 + f // R, f % R, i], F32)
+
+            # ---- operand tiles
+            for f, n in T.Parallel(F, N):
+                qp_s[f, n] = T.cast(Q[b, t0 + f // R, f % R, hq, n], F32) + Q_BIAS[h, f % R, n]
+                kp_s[f, n] = T.cast(K[b, t0 + f // R, f % R, hq, n], F32) + K_BIAS[h, f % R, n]
+            for f, p in T.Parallel(F, P):
+                psiv_s[f, p] = T.cast(V[b, t0 + f // R, h, p], F32) * MIMO_V[h, f % R, p]
+                dy_s[f, p] = _dy_value(DOUT, Z, MIMO_O, MIMO_Z, b, t0 + f // R, f % R, h, p, shape)
+            T.copy(STATES[b, h, c, :, :], st_s)
+            T.copy(DSTATES[b, h, c, :, :], ds_s)
+            for f, n in T.Parallel(F, N):
+                m = n % half
+                partner = T.if_then_else(n < half, n + half, n - half)
+                sgn = T.if_then_else(n < half, -1.0, 1.0)
+                cs = cos_s[f // R, T.min(m, nr - 1)]
+                sn = sin_s[f // R, T.min(m, nr - 1)]
+                xq = T.cast(qp_s[f, n], F32)
+                yq = T.cast(qp_s[f, partner], F32)
+                xk = T.cast(kp_s[f, n], F32)
+                yk = T.cast(kp_s[f, partner], F32)
+                qh_s[f, n] = T.if_then_else(m < nr, xq * cs + sgn * yq * sn, xq)
+                kh_s[f, n] = T.if_then_else(m < nr, xk * cs + sgn * yk * sn, xk) * fac_s[f // R]
+
+            # ---- dPsiV = exp(DA_CS_REV) k_hat dS + (masked k_hat q_hat^T) dy + D dy + diagonal
+            T.gemm(kh_s, ds_s, acc_fp, clear_accum=True)
+            for f, p in T.Parallel(F, P):
+                acc_fp[f, p] = acc_fp[f, p] * er_s[f // R]
+            T.gemm(kh_s, qh_s, acc_ff, transpose_B=True, clear_accum=True)      # lkq[s, t]
+            T.copy(acc_ff, prod_s)
+            for i, j in T.Parallel(F, F):
+                w_s[i, j] = acc_ff[i, j] * seg_s[j // R, i // R]
+            T.gemm(w_s, dy_s, acc_fp)
+            for f, p in T.Parallel(F, P):
+                if hasD:
+                    acc_fp[f, p] = acc_fp[f, p] + D[h] * T.cast(dy_s[f, p], F32)
+                for o in T.serial(R):
+                    acc_fp[f, p] = acc_fp[f, p] + gam_s[f // R] * qkd_s[(f // R) * R + o, f % R] \
+                        * T.cast(dy_s[(f // R) * R + o, p], F32)
+            T.copy(acc_fp, dpsiv_s)
+
+            # ---- DV, DMIMO_V and DD partials
+            T.clear(dv_f)
+            for t, p in T.Parallel(C, P):
+                for r in T.serial(R):
+                    dv_f[t, p] = dv_f[t, p] + dpsiv_s[t * R + r, p] * MIMO_V[h, r, p]
+            T.copy(dv_f, DV[b, t0:t0 + C, h, :])
+            T.clear(dmv_f)
+            for r, p in T.Parallel(R, P):
+                for t in T.serial(C):
+                    dmv_f[r, p] = dmv_f[r, p] + dpsiv_s[t * R + r, p] * T.cast(V[b, t0 + t, h, p], F32)
+            T.copy(dmv_f, DMV_PART[b, h, c, :, :])
+            if hasD:
+                for f, p in T.Parallel(F, P):
+                    tmp_fp[f, p] = T.cast(dy_s[f, p], F32) * T.cast(psiv_s[f, p], F32)
+                T.reduce_sum(tmp_fp, row_p, dim=1)
+                T.reduce_sum(row_p, one_d, dim=0)
+                T.copy(one_d, DD_PART[b, h, c:c + 1])
+
+            # ---- dkq = PsiV dy^T (row s, column t): DSSDA, the same-step diagonal, masked copy
+            T.gemm(psiv_s, dy_s, acc_ff, transpose_B=True, clear_accum=True)
+            T.copy(acc_ff, dkq_s)
+            for i, j in T.Parallel(F, F):
+                prod_s[i, j] = prod_s[i, j] * acc_ff[i, j]
+                w_s[i, j] = acc_ff[i, j] * seg_s[j // R, i // R]
+            T.clear(cc_f)
+            for s, t in T.Parallel(C, C):
+                for ri in T.serial(R):
+                    for ro in T.serial(R):
+                        cc_f[s, t] = cc_f[s, t] + prod_s[s * R + ri, t * R + ro]
+            T.copy(cc_f, DSSDA[b, h, c, :, :])
+            for f, i in T.Parallel(F, R):
+                # pv[t, o, i] = dy_{t,o} . PsiV_{t,i} = dkq[t*R + i, t*R + o]; f = t*R + o
+                dqk_s[f, i] = gam_s[f // R] * dkq_s[(f // R) * R + i, f]
+            T.clear(c_f)
+            for t in T.Parallel(C):
+                for o in T.serial(R):
+                    for i in T.serial(R):
+                        c_f[t] = c_f[t] + qkd_s[t * R + o, i] * dkq_s[t * R + i, t * R + o]
+            T.copy(c_f, DGAMMA_DIAG[b, h, t0:t0 + C])
+
+            # ---- dk_hat = exp(DA_CS_REV) PsiV dS^T + masked dkq q_hat; DDA_CS_REV, DFACTOR, DK
+            T.gemm(psiv_s, ds_s, acc_fn, transpose_B=True, clear_accum=True)
+            for f, n in T.Parallel(F, N):
+                tmp_fn[f, n] = acc_fn[f, n] * T.cast(kh_s[f, n], F32)
+            T.reduce_sum(tmp_fn, row_f, dim=1)
+            T.copy(row_f, rows_s)
+            _per_step_sum(rows_s, c_f, DDA_CS_REV[b, h, t0:t0 + C])
+            for f, n in T.Parallel(F, N):
+                acc_fn[f, n] = acc_fn[f, n] * er_s[f // R]
+            T.gemm(w_s, qh_s, acc_fn)
+            T.copy(acc_fn, g_s)                                                  # dk_hat (rotated frame)
+            for f, j in T.Parallel(F, nr):
+                x0 = T.cast(kp_s[f, j], F32)
+                x1 = T.cast(kp_s[f, half + j], F32)
+                cs = cos_s[f // R, j]
+                sn = sin_s[f // R, j]
+                ang_s[f, j] = fac_s[f // R] * (g_s[f, j] * (-x0 * sn - x1 * cs) + g_s[f, half + j] * (x0 * cs - x1 * sn))
+            for f, n in T.Parallel(F, N):
+                m = n % half
+                partner = T.if_then_else(n < half, n + half, n - half)
+                sgn = T.if_then_else(n < half, 1.0, -1.0)
+                cs = cos_s[f // R, T.min(m, nr - 1)]
+                sn = sin_s[f // R, T.min(m, nr - 1)]
+                tmp_fn[f, n] = T.if_then_else(m < nr, g_s[f, n] * cs + sgn * g_s[f, partner] * sn, g_s[f, n])
+            for f, n in T.Parallel(F, N):
+                acc_fn[f, n] = tmp_fn[f, n] * T.cast(kp_s[f, n], F32)
+            T.reduce_sum(acc_fn, row_f, dim=1)
+            T.copy(row_f, rows_s)
+            _per_step_sum(rows_s, c_f, DFACTOR[b, h, t0:t0 + C])
+            for f, n in T.Parallel(F, N):
+                acc_fn[f, n] = fac_s[f // R] * tmp_fn[f, n]
+                for o in T.serial(R):
+                    acc_fn[f, n] = acc_fn[f, n] + dqk_s[(f // R) * R + o, f % R] * T.cast(qp_s[(f // R) * R + o, n], F32)
+            T.copy(acc_fn, DK[b, c * F:(c + 1) * F, h, :])
+
+            # ---- DDA = exp(DA_CS_last) sum(S_c * dS_c)
+            for n, p in T.Parallel(N, P):
+                tmp_np[n, p] = T.cast(st_s[n, p], F32) * T.cast(ds_s[n, p], F32)
+            T.reduce_sum(tmp_np, row_n, dim=1)
+            T.reduce_sum(row_n, one, dim=0)
+            for t in T.Parallel(C):
+                dda_f[t] = one[0] * T.exp(DA_CS[b, h, t0 + C - 1])
+            T.copy(dda_f, DDA[b, h, t0:t0 + C])
+
+            # ---- dq_hat = exp(DA_CS) dy S_c^T + masked dkq^T k_hat; DDA_CS, DQ, DANGLES
+            T.gemm(dy_s, st_s, acc_fn, transpose_B=True, clear_accum=True)
+            for f, n in T.Parallel(F, N):
+                tmp_fn[f, n] = acc_fn[f, n] * T.cast(qh_s[f, n], F32)
+            T.reduce_sum(tmp_fn, row_f, dim=1)
+            T.copy(row_f, rows_s)
+            _per_step_sum(rows_s, c_f, DDA_CS[b, h, t0:t0 + C])
+            for f, n in T.Parallel(F, N):
+                acc_fn[f, n] = acc_fn[f, n] * ea_s[f // R]
+            T.gemm(w_s, kh_s, acc_fn, transpose_A=True)
+            T.copy(acc_fn, g_s)                                                  # dq_hat
+            for f, j in T.Parallel(F, nr):
+                x0 = T.cast(qp_s[f, j], F32)
+                x1 = T.cast(qp_s[f, half + j], F32)
+                cs = cos_s[f // R, j]
+                sn = sin_s[f // R, j]
+                ang_s[f, j] = ang_s[f, j] + g_s[f, j] * (-x0 * sn - x1 * cs) + g_s[f, half + j] * (x0 * cs - x1 * sn)
+            T.clear(ang_f)
+            for t, j in T.Parallel(C, nr):
+                for r in T.serial(R):
+                    ang_f[t, j] = ang_f[t, j] + ang_s[t * R + r, j]
+            T.copy(ang_f, DANGLES[b, t0:t0 + C, h, :])
+            for f, n in T.Parallel(F, N):
+                m = n % half
+                partner = T.if_then_else(n < half, n + half, n - half)
+                sgn = T.if_then_else(n < half, 1.0, -1.0)
+                cs = cos_s[f // R, T.min(m, nr - 1)]
+                sn = sin_s[f // R, T.min(m, nr - 1)]
+                acc_fn[f, n] = T.if_then_else(m < nr, g_s[f, n] * cs + sgn * g_s[f, partner] * sn, g_s[f, n])
+                for i in T.serial(R):
+                    acc_fn[f, n] = acc_fn[f, n] + dqk_s[f, i] * T.cast(kp_s[(f // R) * R + i, n], F32)
+            T.copy(acc_fn, DQ[b, c * F:(c + 1) * F, h, :])
+
+    return chunk
+
+
+def _reduce_program(config: dict, shape: dict):
+    B, S, H, G, N, P, R, C, nc, nr, F = _dims(shape)
+    hasD = shape["hasD"]
+
+    @T.prim_func
+    def reduce(DMV_PART: T.Tensor((B, H, nc, R, P), F32), DD_PART: T.Tensor((B, H, nc), F32),
+               DMIMO_V: T.Tensor((B, H, R, P), F32), DD: T.Tensor((B, H), F32)):
+        with T.Kernel(H, B, threads=128) as (h, b):
+            DD_PART_S = T.alloc_fragment((nc,), F32)
+            T.copy(DD_PART[b, h, :], DD_PART_S)
+            acc = T.alloc_fragment((R, P), F32)
+            T.clear(acc)
+            for r, p in T.Parallel(R, P):
+                for c in T.serial(nc):
+                    acc[r, p] = acc[r, p] + DMV_PART[b, h, c, r, p]
+            T.copy(acc, DMIMO_V[b, h, :, :])
+            if hasD:
+                tot = T.alloc_fragment((1,), F32)
+                T.reduce_sum(DD_PART_S, tot, dim=0)
+                DD[b, h] = tot[0]
+
+    return reduce
+
+
+_PROGRAMS = {"scan": _scan_program, "chunk": _chunk_program, "reduce": _reduce_program}
+
+
+# --------------------------------------------------------------------------------------------
+# compile
+
+
+def compile_for(config: dict, shape: dict, target: str) -> dict:
+    """Ahead-of-time compile of the three kernels for ``target`` (no GPU). smem_bytes and registers
+    are the largest over the kernels (the chunk kernel's in practice); per-kernel figures ride along."""
+    config = {**DEFAULTS, **config}
+    t0 = time.perf_counter()
+    per = {}
+    for name, prog in _PROGRAMS.items():
+        art = tl.lower(prog(config, shape), target, _pass_configs(config))
+        cubin = tl.cubin_of(art.kernel_source, target, _pass_configs(config), use_cache=False)
+        usage = tl.resource_usage(cubin, target)[0]
+        per[name] = {"smem_bytes": tl.dynamic_smem(art) + usage["static_smem"], "registers": usage["registers"]}
+    return {"smem_bytes": max(v["smem_bytes"] for v in per.values()),
+            "registers": max(v["registers"] for v in per.values()),
+            "compile_s": time.perf_counter() - t0, "binary": "cubin", "kernels": per}
+
+
+# --------------------------------------------------------------------------------------------
+# launch
+
+
+def build(config: dict, shape: dict):
+    """Compile the three kernels for the current GPU's explicit target and return ``run``; the
+    dS and partial-sum workspaces are allocated once per device on the first call."""
+    config = {**DEFAULTS, **config}
+    target = tl.device_target()
+    if eligibility(target):
+        raise RuntimeError(eligibility(target))
+    kernels = {name: tilelang.compile(prog(config, shape), target=tl.tvm_target(target), execution_backend="tvm_ffi",
+                                      pass_configs=_pass_configs(config))
+               for name, prog in _PROGRAMS.items()}
+    info = _launch_info(kernels, config, shape, target)
+    B, S, H, G, N, P, R, C, nc, nr, F = _dims(shape)
+    work: dict = {}
+
+    def run(inputs, outputs):
+        dev = inputs["Q"].device
+        if work.get("device") != dev:
+            work.update(device=dev, ds=torch.empty(B, H, nc, N, P, dtype=inputs["Q"].dtype, device=dev),
+                        dmv=torch.empty(B, H, nc, R, P, dtype=torch.float32, device=dev),
+                        dd=torch.zeros(B, H, nc, dtype=torch.float32, device=dev),
+                        dd_out=torch.empty(B, H, dtype=torch.float32, device=dev))
+        i, o = inputs, outputs
+        z, mo, mz, d = i["Z"], i["MIMO_O"], i["MIMO_Z"], i["D"]
+        kernels["scan"](i["Q"], i["Q_BIAS"], i["ANGLES"], i["DA_CS"], i["DOUT"], z, mo, mz, work["ds"])
+        kernels["chunk"](i["Q"], i["K"], i["V"], i["Q_BIAS"], i["K_BIAS"], i["MIMO_V"], mo, mz, z, d, i["ANGLES"],
+                         i["DA_CS"], i["DA_CS_REV"], i["DT"], i["TRAP"], i["STATES"], i["QK_DOT"], i["SEGSUM"],
+                         i["DOUT"], work["ds"], o["DQ"], o["DK"], o["DV"], o["DANGLES"], o["DFACTOR"],
+                         o["DGAMMA_DIAG"], o["DDA"], o["DDA_CS"], o["DDA_CS_REV"], o["DSSDA"], work["dmv"], work["dd"])
+        kernels["reduce"](work["dmv"], work["dd"], o["DMIMO_V"], o["DD"] if shape["hasD"] else work["dd_out"])
+        return info
+    return run
+
+
+def _launch_info(kernels: dict, config: dict, shape: dict, target: str) -> dict:
+    """Largest shared memory (dynamic + static) and registers over the built kernels (best effort)."""
+    try:
+        smem, regs = 0, 0
+        for name, k in kernels.items():
+            art = k.artifact if getattr(k, "artifact", None) is not None else \
+                tl.lower(_PROGRAMS[name](config, shape), target, _pass_configs(config))
+            cubin = tl.cubin_of(k.get_kernel_source(), target, _pass_configs(config), use_cache=True)
+            usage = tl.resource_usage(cubin, target)[0]
+            smem = max(smem, tl.dynamic_smem(art) + usage["static_smem"])
+            regs = max(regs, usage["registers"])
+        return {"smem_bytes": smem, "registers": regs, "spills": None}
+    except Exception:
+        return {"smem_bytes": None, "registers": None, "spills": None}
+
+
+def versions() -> dict:
+    import tvm_ffi
+    return {"tilelang": tilelang.__version__, "apache-tvm-ffi": getattr(tvm_ffi, "__version__", "?"),
+            "torch": torch.__version__}
