@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run lab commands on the lent GPU machine in one call, logging under $OUT.
 #   bash scripts/device_run.sh 'sweep gemm --device h100 --dsl all' 'sweep gemm --device gb10 --emulate'
-# Each argument is one `python -m lab ...` command line. Carry .whl (wheels of the packages the
+# Each argument is one `python -m lab ...` command line, or `scripts/NAME.py ARGS` run as a script. Carry .whl (wheels of the packages the
 # image lacks: optuna and its needs, see README "Running on the GPU machine"); when the DSL parts of
 # ../shared/gpu/pack.sh were unpacked on this warm machine, /opt/labsite/env.sh is sourced too.
 # results/ is packed into $OUT/results.tgz at the end (also after a failing command).
@@ -29,10 +29,11 @@ rc=0
 i=0
 for cmd in "$@"; do
   i=$((i + 1))
-  echo "=== [$i] python -m lab $cmd" | tee -a "$OUT/log.txt"
   # No progress bar in logs: tqdm redraws would fill the reply's tail.
   extra=""; case "$cmd" in sweep*) extra="--no-progress";; esac
-  python3 -m lab $cmd $extra 2>&1 | tee -a "$OUT/log.txt"
+  case "$cmd" in scripts/*) run=(python3);; *) run=(python3 -m lab);; esac
+  echo "=== [$i] ${run[*]} $cmd" | tee -a "$OUT/log.txt"
+  "${run[@]}" $cmd $extra 2>&1 | tee -a "$OUT/log.txt"
   r=${PIPESTATUS[0]}
   echo "=== [$i] exit $r" | tee -a "$OUT/log.txt"
   [ "$r" -ne 0 ] && rc=$r
