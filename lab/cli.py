@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -45,7 +46,7 @@ def cmd_preflight(args) -> int:
     prof = get_profile(args.device)
     problem = problems.get(args.kernel)
     shapes, default = space.load_shapes(args.kernel)
-    names = [args.shape] if args.shape else default[:1]
+    names = args.shape.split(",") if args.shape else list(shapes)
     for n in names:
         if n not in shapes:
             raise LabError(f"unknown shape {n!r} for {args.kernel} (known: {', '.join(shapes)})")
@@ -63,7 +64,7 @@ def cmd_preflight(args) -> int:
                 print(f"  {dsl:8} {e}")
                 continue
             sp = space.load_space(args.kernel, dsl, tuple(lane.module.TUNABLES))
-            s = preflight.summarize(lane, sp, shape, prof, limit, seed=args.seed)
+            s = preflight.summarize(lane, sp, shape, prof, limit, seed=args.seed, workers=args.jobs)
             rules = sum(v for k, v in s["rejected"].items() if k != "estimate")
             print(f"  {dsl:8} {s['space']} configs: {rules} break rules, {s['over_estimate']} over the limit by "
                   f"estimate, {s['fit_estimate']} fit by estimate")
@@ -76,6 +77,14 @@ def cmd_preflight(args) -> int:
                   f"{len(s['wrong_side_of_limit'])} on the wrong side of the limit")
             for r in s["disagree"][: args.show]:
                 print(f"  {'':8}   estimate {r['estimate']:>7} B vs compiled {r['compiled']:>7} B  {json.dumps(r['config'])}")
+            if not args.brief:
+                for r in sorted(s["rows"], key=lambda r: (r["compiled"] is None, r["compiled"] or 0)):
+                    if r["compiled"] is None:
+                        verdict, fig = "error", (r["error"] or "")[:120]
+                    else:
+                        verdict = "fits" if r["compiled"] <= s["limit"] else "over"
+                        fig = f"{r['compiled']:>7,} B compiled, {r['estimate'] or 0:>7,} B estimated, {r['registers']} regs"
+                    print(f"  {'':8}   {verdict:5} {fig}  {json.dumps(r['config'], sort_keys=True)}")
     return 0
 
 
@@ -124,11 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("kernel")
     s.add_argument("--device", required=True)
     s.add_argument("--dsl", default="all")
-    s.add_argument("--shape", help="named shape (default: the kernel's first default shape)")
+    s.add_argument("--shape", help="named shape(s), comma-separated (default: every named shape of the kernel)")
     s.add_argument("--compile-limit", type=int, default=48,
                    help="compile at most N configs (a seeded sample; -1 = all)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--show", type=int, default=5, help="disagreements to print")
+    s.add_argument("--brief", action="store_true",
+                   help="counts only (default: also list every compiled config: fits / over, bytes, registers)")
+    s.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), help="compile processes")
     s.set_defaults(fn=cmd_preflight)
 
     s = sub.add_parser("sweep", help="tune a kernel on a device (resumable Optuna study)")

@@ -163,12 +163,19 @@ class CompilePool:
             self._pool.shutdown(cancel_futures=True)
 
 
+def _compile_in_process(args) -> dict:
+    from lab import registry
+    dsl, kernel, config, shape, target = args
+    return compile_cached(registry.get(dsl, kernel), config, shape, target)
+
+
 def summarize(lane: Lane, space: Space, shape: dict, profile: DeviceProfile, compile_limit: int | None,
-              seed: int = 0) -> dict:
+              seed: int = 0, workers: int = 0) -> dict:
     """Preflight a whole space for ``lane`` on ``profile``: counts and estimate/compiler agreement.
 
     With ``compile_limit`` set, only that many configs that pass the cheap checks (a seeded random
-    sample) are compiled; the rest are judged by the estimate alone.
+    sample) are compiled; the rest are judged by the estimate alone. ``workers`` > 0 compiles in
+    that many CPU processes. ``rows`` holds every compiled config with its figures (bytes).
     """
     import random
 
@@ -185,14 +192,13 @@ def summarize(lane: Lane, space: Space, shape: dict, profile: DeviceProfile, com
     to_compile = passing + over
     if compile_limit is not None and len(to_compile) > compile_limit:
         to_compile = rng.sample(to_compile, compile_limit)
+    results = _compile_all(lane, to_compile, shape, profile.target, workers)
     rows = []
-    for c in to_compile:
+    for c, res in zip(to_compile, results):
         est = lane.module.smem_estimate(c, shape, profile.target)
-        res = compile_cached(lane, c, shape, profile.target)
         rows.append({"config": c, "estimate": est, "compiled": res.get("smem_bytes"),
-                     "error": res.get("error"), "unsupported": res.get("unsupported")})
-        if res.get("unsupported"):
-            break  # the lane has no ahead-of-time compile at all
+                     "registers": res.get("registers"), "error": res.get("error"),
+                     "unsupported": res.get("unsupported")})
     compiled = [r for r in rows if r["compiled"] is not None]
     limit = profile.smem_optin_bytes
     fits_compiled = sum(1 for r in compiled if r["compiled"] <= limit)
@@ -205,3 +211,19 @@ def summarize(lane: Lane, space: Space, shape: dict, profile: DeviceProfile, com
             "compiled": len(compiled), "compile_errors": sum(1 for r in rows if r["error"]),
             "fit_compiled": fits_compiled, "agree_exact": len(compiled) - len(disagree),
             "disagree": disagree, "wrong_side_of_limit": wrong_side, "rows": rows, "limit": limit}
+
+
+def _compile_all(lane: Lane, configs: list[dict], shape: dict, target: str, workers: int) -> list[dict]:
+    if not configs:
+        return []
+    first = compile_cached(lane, configs[0], shape, target)
+    if first.get("unsupported"):
+        return [first]  # the lane has no ahead-of-time compile at all
+    rest = configs[1:]
+    if workers <= 1 or not rest:
+        return [first] + [compile_cached(lane, c, shape, target) for c in rest]
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        return [first] + list(pool.map(_compile_in_process,
+                                       [(lane.dsl, lane.kernel, c, shape, target) for c in rest]))

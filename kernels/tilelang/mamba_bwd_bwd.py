@@ -21,6 +21,9 @@ Tunables:
   scan_threads        threads of the scan kernel (128 / 256)
   scan_block_N/P      dS tile of one scan CTA (divides N / P)
   scan_stages         T.Pipelined stages of the scan's chunk loop (0: no software pipelining)
+  lkq_fp32            keep k_hat.q_hat (F x F, needed again for DSSDA) in fp32 shared memory; False
+                      stores it in the input dtype as upstream does (half the bytes: 8 KiB at
+                      C*R = 64, what brings the N = P = 64 chunk kernel under GB10's 99 KiB)
   swizzle             swizzled layouts for the chunk kernel's GEMM operand tiles
   tma                 False sets tl.disable_tma_lower
   warp_specialized    False sets tl.disable_warp_specialized
@@ -41,10 +44,10 @@ from kernels.tilelang import _common as tl
 
 DSL = "tilelang"
 KERNEL = "mamba_bwd_bwd"
-TUNABLES = ("threads", "scan_threads", "scan_block_N", "scan_block_P", "scan_stages", "swizzle", "tma",
-            "warp_specialized", "fast_math", "aggressive_smem_merge")
+TUNABLES = ("threads", "scan_threads", "scan_block_N", "scan_block_P", "scan_stages", "lkq_fp32", "swizzle",
+            "tma", "warp_specialized", "fast_math", "aggressive_smem_merge")
 DEFAULTS = {"threads": 256, "scan_threads": 128, "scan_block_N": 64, "scan_block_P": 32, "scan_stages": 0,
-            "swizzle": True, "tma": False, "warp_specialized": False, "fast_math": True,
+            "lkq_fp32": False, "swizzle": True, "tma": False, "warp_specialized": False, "fast_math": True,
             "aggressive_smem_merge": True}
 TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_120a", "sm_121a")
 DTYPES = ("float16", "bfloat16")
@@ -66,7 +69,7 @@ def config_reason(config: dict, shape: dict) -> str | None:
         v = c[key]
         if not isinstance(v, int) or v < 16 or shape[dim] % v:
             return f"{key}={v} must be >= 16 and divide {dim}={shape[dim]}"
-    for key in ("swizzle", "tma", "warp_specialized", "fast_math", "aggressive_smem_merge"):
+    for key in ("lkq_fp32", "swizzle", "tma", "warp_specialized", "fast_math", "aggressive_smem_merge"):
         if not isinstance(c[key], bool):
             return f"{key}={c[key]!r} must be true or false"
     F = shape["C"] * shape["R"]
@@ -117,7 +120,7 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
     then takes the peak of the live set at the GEMM that needs the most (see ``_merged``).
     TileLang aligns buffers to 16 bytes (rounded up per buffer here)."""
     c = {**DEFAULTS, **config}
-    sizes = _buffers(shape)
+    sizes = _buffers(c, shape)
     if c["aggressive_smem_merge"]:
         return _merged(sizes)
     return sum(_align(b) for b, _ in sizes.values())
@@ -127,21 +130,21 @@ def _align(n: int) -> int:
     return (n + 15) // 16 * 16
 
 
-def _buffers(shape: dict) -> dict:
-    """name -> (bytes, live interval (first step, last step)) of the chunk kernel's shared buffers.
-    Steps: 0 loads, 1 dPsiV, 2 DV/DMIMO_V/DD, 3 dkq + DSSDA + diag, 4 dk, 5 DK out, 6 DDA,
-    7 dq, 8 DQ out + DANGLES."""
+def _buffers(config: dict, shape: dict) -> dict:
+    """name -> (bytes, (first step, last step)) of the chunk kernel's shared buffers. Steps: 0 loads,
+    1 dPsiV, 2 DV / DMIMO_V / DD, 3 dkq, DSSDA and the same-step terms, 4 dk_hat, 5 DK and DFACTOR,
+    6 DDA, 7 dq_hat (STATES loaded here), 8 DQ and DANGLES."""
     C, R, N, P = shape["C"], shape["R"], shape["N"], shape["P"]
     F, nr = C * R, N // shape["rd"]
     e = 2
     return {
         "qp": (e * F * N, (0, 8)), "qh": (e * F * N, (0, 7)), "kp": (e * F * N, (0, 8)),
         "kh": (e * F * N, (0, 7)), "psiv": (e * F * P, (0, 4)), "dy": (e * F * P, (0, 7)),
-        "st": (e * N * P, (0, 7)), "ds": (e * N * P, (0, 6)), "w": (e * F * F, (1, 7)),
-        "prod": (4 * F * F, (1, 3)), "dkq": (4 * F * F, (3, 3)), "g": (4 * F * N, (4, 8)),
-        "dpsiv": (4 * F * P, (1, 2)), "dqk": (4 * F * R, (3, 8)), "rows": (4 * F, (2, 8)),
-        "scal": (4 * (4 * C), (0, 8)), "seg": (4 * C * C, (0, 7)), "cs": (4 * 2 * C * nr, (0, 8)),
-        "qkd": (4 * F * R, (0, 3)), "ang": (4 * F * nr, (5, 8)),
+        "ds": (e * N * P, (0, 6)), "st": (e * N * P, (7, 7)), "w": (e * F * F, (1, 7)),
+        "prod": ((4 if config["lkq_fp32"] else e) * F * F, (1, 3)), "pv": (4 * F * R, (3, 3)),
+        "dpsiv": (4 * F * P, (1, 2)), "dqk": (4 * F * R, (3, 8)), "g": (4 * F * N, (4, 8)),
+        "rows": (4 * F, (4, 7)), "scal": (4 * 4 * C, (0, 8)), "seg": (4 * C * C, (0, 3)),
+        "cs": (4 * 2 * C * nr, (0, 8)), "qkd": (4 * F * R, (0, 3)), "ang": (4 * F * nr, (4, 8)),
     }
 
 
@@ -271,8 +274,8 @@ def _chunk_program(config: dict, shape: dict):
             st_s = T.alloc_shared((N, P), dtype)
             ds_s = T.alloc_shared((N, P), dtype)
             w_s = T.alloc_shared((F, F), dtype)
-            prod_s = T.alloc_shared((F, F), F32)
-            dkq_s = T.alloc_shared((F, F), F32)
+            prod_s = T.alloc_shared((F, F), F32 if config["lkq_fp32"] else dtype)
+            pv_s = T.alloc_shared((F, R), F32)
             g_s = T.alloc_shared((F, N), F32)
             dpsiv_s = T.alloc_shared((F, P), F32)
             dqk_s = T.alloc_shared((F, R), F32)
@@ -332,7 +335,6 @@ def _chunk_program(config: dict, shape: dict):
             for f, p in T.Parallel(F, P):
                 psiv_s[f, p] = T.cast(V[b, t0 + f // R, h, p], F32) * MIMO_V[h, f % R, p]
                 dy_s[f, p] = _dy_value(DOUT, Z, MIMO_O, MIMO_Z, b, t0 + f // R, f % R, h, p, shape)
-            T.copy(STATES[b, h, c, :, :], st_s)
             T.copy(DSTATES[b, h, c, :, :], ds_s)
             for f, n in T.Parallel(F, N):
                 m = n % half
@@ -384,24 +386,25 @@ def _chunk_program(config: dict, shape: dict):
 
             # ---- dkq = PsiV dy^T (row s, column t): DSSDA, the same-step diagonal, masked copy
             T.gemm(psiv_s, dy_s, acc_ff, transpose_B=True, clear_accum=True)
-            T.copy(acc_ff, dkq_s)
             for i, j in T.Parallel(F, F):
-                prod_s[i, j] = prod_s[i, j] * acc_ff[i, j]
+                prod_s[i, j] = T.cast(prod_s[i, j], F32) * acc_ff[i, j]
                 w_s[i, j] = acc_ff[i, j] * seg_s[j // R, i // R]
+                if i // R == j // R:
+                    # same-step block: pv[t, o, i'] = dy_{t,o} . PsiV_{t,i'} = dkq[t*R + i', t*R + o]
+                    pv_s[j, i % R] = acc_ff[i, j]
             T.clear(cc_f)
             for s, t in T.Parallel(C, C):
                 for ri in T.serial(R):
                     for ro in T.serial(R):
-                        cc_f[s, t] = cc_f[s, t] + prod_s[s * R + ri, t * R + ro]
+                        cc_f[s, t] = cc_f[s, t] + T.cast(prod_s[s * R + ri, t * R + ro], F32)
             T.copy(cc_f, DSSDA[b, h, c, :, :])
             for f, i in T.Parallel(F, R):
-                # pv[t, o, i] = dy_{t,o} . PsiV_{t,i} = dkq[t*R + i, t*R + o]; f = t*R + o
-                dqk_s[f, i] = gam_s[f // R] * dkq_s[(f // R) * R + i, f]
+                dqk_s[f, i] = gam_s[f // R] * pv_s[f, i]
             T.clear(c_f)
             for t in T.Parallel(C):
                 for o in T.serial(R):
                     for i in T.serial(R):
-                        c_f[t] = c_f[t] + qkd_s[t * R + o, i] * dkq_s[t * R + i, t * R + o]
+                        c_f[t] = c_f[t] + qkd_s[t * R + o, i] * pv_s[t * R + o, i]
             T.copy(c_f, DGAMMA_DIAG[b, h, t0:t0 + C])
 
             # ---- dk_hat = exp(DA_CS_REV) PsiV dS^T + masked dkq q_hat; DDA_CS_REV, DFACTOR, DK
@@ -441,7 +444,7 @@ def _chunk_program(config: dict, shape: dict):
 
             # ---- DDA = exp(DA_CS_last) sum(S_c * dS_c)
             for n, p in T.Parallel(N, P):
-                tmp_np[n, p] = T.cast(st_s[n, p], F32) * T.cast(ds_s[n, p], F32)
+                tmp_np[n, p] = T.cast(STATES[b, h, c, n, p], F32) * T.cast(ds_s[n, p], F32)
             T.reduce_sum(tmp_np, row_n, dim=1)
             T.reduce_sum(row_n, one, dim=0)
             for t in T.Parallel(C):
@@ -449,6 +452,7 @@ def _chunk_program(config: dict, shape: dict):
             T.copy(dda_f, DDA[b, h, t0:t0 + C])
 
             # ---- dq_hat = exp(DA_CS) dy S_c^T + masked dkq^T k_hat; DDA_CS, DQ, DANGLES
+            T.copy(STATES[b, h, c, :, :], st_s)     # loaded once dS_c is dead: the two can share memory
             T.gemm(dy_s, st_s, acc_fn, transpose_B=True, clear_accum=True)
             for f, n in T.Parallel(F, N):
                 tmp_fn[f, n] = acc_fn[f, n] * T.cast(qh_s[f, n], F32)

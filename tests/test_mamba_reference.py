@@ -1,0 +1,111 @@
+"""mamba_bwd_bwd on the CPU: reference (2) (explicit gradient formulas, the torch lane) against
+reference (1) (autograd through the plain chunked forward), fp64, over ranks, GQA, rotary divisors
+and every option; the inputs' STATES/QK_DOT against the forward; shape validation; the harness's
+parity path with the torch lane, and that it fails on a wrong output."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lab.devices import LabError
+from lab.problems import _mamba3 as m3
+from lab.problems import get
+
+PROBLEM = get("mamba_bwd_bwd")
+BASE = dict(B=2, S=32, H=2, G=1, N=16, P=8, R=4, C=8, rd=4, hasZ=True, hasD=True, reduceO=True, dtype="bfloat16")
+
+CASES = [
+    {},
+    {"R": 1, "C": 16, "S": 48},
+    {"R": 2},
+    {"R": 8, "C": 4},
+    {"G": 2, "H": 4},
+    {"rd": 2},
+    {"hasZ": False},
+    {"hasD": False},
+    {"reduceO": False},
+    {"hasZ": False, "hasD": False, "reduceO": False, "R": 2, "rd": 2},
+    {"B": 1, "S": 24, "H": 3, "N": 32, "P": 16, "dtype": "float16"},
+]
+
+
+def _exact_inputs(shape, seed=0):
+    """Inputs with STATES and QK_DOT recomputed in fp64 from the same forward (no bf16 rounding),
+    so that the two references must agree to fp64 round-off."""
+    inp = PROBLEM.make_inputs(shape, "cpu", seed)
+    inp["STATES"], inp["QK_DOT"] = m3.forward_states(inp, shape, torch.float64)
+    return inp
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "base")
+def test_explicit_reference_equals_autograd(case):
+    shape = {**BASE, **case}
+    PROBLEM.check_shape(shape)
+    inp = _exact_inputs(shape)
+    auto, states = m3.autograd_bwd_bwd(inp, shape)
+    expl = m3.bwd_bwd(inp, shape)
+    expected = set(m3.OUTPUTS) - (set() if shape["hasD"] else {"DD"})
+    assert set(auto) == set(expl) == expected
+    torch.testing.assert_close(states, inp["STATES"], rtol=1e-12, atol=1e-12)
+    for name in expected:
+        a, e = auto[name], expl[name]
+        assert a.shape == e.shape, name
+        assert a.abs().max() > 0, f"{name} is all zeros: the comparison would prove nothing"
+        torch.testing.assert_close(e, a, rtol=1e-9, atol=1e-9 * float(a.abs().max()), msg=name)
+
+
+def test_output_layouts_match_the_boundary():
+    shape = dict(BASE)
+    out = PROBLEM.alloc_outputs(shape, "cpu")
+    ref = PROBLEM.reference(PROBLEM.make_inputs(shape, "cpu", 1), shape)
+    assert set(out) == set(ref)
+    for name in ref:
+        assert out[name].shape == ref[name].shape, name
+    B, S, H, N, P, R, C = (shape[k] for k in "BSHNPRC")
+    assert out["DQ"].shape == (B, S * R, H, N) and out["DQ"].dtype == torch.bfloat16
+    assert out["DSSDA"].shape == (B, H, S // C, C, C) and out["DMIMO_V"].shape == (B, H, R, P)
+
+
+def test_inputs_are_consistent_with_a_negative_decay():
+    shape = dict(BASE)
+    inp = PROBLEM.make_inputs(shape, "cpu", 3)
+    B, H, S, C = shape["B"], shape["H"], shape["S"], shape["C"]
+    da = inp["DA_CS"].view(B, H, S // C, C)
+    assert (da.diff(dim=-1) <= 0).all() and (da[..., 0] <= 0).all()        # cumsum of dA <= 0
+    torch.testing.assert_close(inp["DA_CS_REV"].view_as(da), da[..., -1:] - da)
+    seg = inp["SEGSUM"]
+    torch.testing.assert_close(seg[..., 5, 2], da[..., 5] - da[..., 2])
+    states, qk = m3.forward_states(inp, shape, torch.float32)
+    torch.testing.assert_close(inp["STATES"].float(), states, rtol=1e-2, atol=1e-2)
+    assert inp["STATES"].dtype == torch.bfloat16 and inp["STATES"][:, :, 1:].abs().max() > 0
+
+
+@pytest.mark.parametrize("bad,msg", [
+    ({"S": 30}, "multiple of C"), ({"G": 3}, "multiple of G"), ({"rd": 3}, "rd"), ({"R": 3}, "R must"),
+    ({"hasZ": 1}, "flags"), ({"N": 0}, "positive"), ({"dtype": "float32"}, "dtype"),
+])
+def test_bad_shapes_are_refused(bad, msg):
+    with pytest.raises(LabError, match=msg):
+        PROBLEM.check_shape({**BASE, **bad})
+
+
+def test_torch_lane_through_the_harness_parity_path():
+    from lab import parity, registry
+    shape = {**BASE, "R": 2}
+    run = registry.get("torch", "mamba_bwd_bwd").module.build({}, shape)
+    inp = PROBLEM.make_inputs(shape, "cpu", 5)
+    out = PROBLEM.alloc_outputs(shape, "cpu")
+    run(inp, out)
+    ref = PROBLEM.reference(inp, shape)
+    ok, errors = parity.compare(out, ref, PROBLEM.tolerance(shape))
+    assert ok and set(errors) == set(ref)
+    # The comparison can fail: DSSDA written untransposed, DDA without exp(DA_CS_last), a DQ row
+    # left unwritten.
+    for name, corrupt in [("DSSDA", lambda t: t.transpose(-1, -2)),
+                          ("DDA", lambda t: t / torch.exp(inp["DA_CS"].view(2, 2, 4, 8)[..., -1:]).expand(2, 2, 4, 8)
+                           .reshape(2, 2, 32)),
+                          ("DQ", lambda t: t.index_fill(1, torch.tensor([3]), float("nan")))]:
+        bad = dict(out)
+        bad[name] = corrupt(out[name].clone())
+        ok, errors = parity.compare(bad, ref, PROBLEM.tolerance(shape))
+        assert not ok and not errors[name].ok(PROBLEM.tolerance(shape)), name
