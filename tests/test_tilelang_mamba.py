@@ -25,25 +25,28 @@ def test_gb10_shape_compiles_and_fits_99k(target):
     big = lane.compile_for({**D, "lkq_fp32": True}, GB10, target)
     assert big["smem_bytes"] > get_profile("gb10").smem_optin_bytes
     for r, cfg in ((res, D), (big, {**D, "lkq_fp32": True})):
-        est = lane.smem_estimate(cfg, GB10, target)
-        assert abs(est - r["smem_bytes"]) <= 0.1 * r["smem_bytes"], (est, r["smem_bytes"])
+        assert lane.smem_estimate(cfg, GB10, target) == r["smem_bytes"]
 
 
 def test_h100_shape_estimate_tracks_compiler():
     res = lane.compile_for(D, H100, "sm_90a")
     assert res["smem_bytes"] <= get_profile("h100").smem_optin_bytes
     est = lane.smem_estimate(D, H100, "sm_90a")
-    assert abs(est - res["smem_bytes"]) <= 0.1 * res["smem_bytes"], (est, res["smem_bytes"])
+    assert abs(est - res["smem_bytes"]) <= 0.01 * res["smem_bytes"], (est, res["smem_bytes"])
 
 
 @pytest.mark.parametrize("case", [{"R": 1, "C": 64}, {"R": 8, "C": 8}, {"G": 2, "rd": 2, "hasZ": False,
                                                                       "hasD": False, "reduceO": False}])
-def test_options_and_ranks_lower(case):
+def test_options_ranks_and_parity_shapes_lower(case):
+    """Every option and rank lowers, and so does the harness's small parity shape of each (three
+    chunks, odd head count: a fragment reduction over nc = 3 once failed to lower there)."""
     from kernels.tilelang import _common as tl
+    from lab.problems import get
     shape = {**GB10, **case}
-    for name, prog in lane._PROGRAMS.items():
-        art = tl.lower(prog(D, shape), "sm_90a", lane._pass_configs(D))
-        assert "__global__" in art.kernel_source, name
+    for sh in [shape] + get("mamba_bwd_bwd").parity_shapes(shape):
+        for name, prog in lane._PROGRAMS.items():
+            art = tl.lower(prog(D, sh), "sm_90a", lane._pass_configs(D))
+            assert "__global__" in art.kernel_source, name
 
 
 @pytest.mark.parametrize("config,shape,msg", [
