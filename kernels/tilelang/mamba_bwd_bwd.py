@@ -7,11 +7,14 @@ every dS_c is known, each chunk's work (about ten GEMMs and all the elementwise 
 
 1. ``scan``: grid (H, B, N/scan_block_N * P/scan_block_P). Each CTA walks the chunks in reverse
    for one (block_N x block_P) tile of dS, writing dS_c (bf16, the GEMM operand dtype upstream uses
-   too) to a workspace [B, H, nc, N, P]. Per step: q_hat tile (bias + rotary), dy tile (Phi, SiLU
-   gate, exp(DA_CS)), one GEMM. Tiling N and P gives B*H*tiles CTAs instead of B*H.
+   too) to a workspace [B, H, nc, N, P], and its tile's part of sum(S_c * dS_c) from the fp32 dS
+   (DDA: with a bf16 dS the cancellation in that sum cost 1.5% rel. error at a 3-chunk shape). Per
+   step: q_hat tile (bias + rotary), dy tile (Phi, SiLU gate, exp(DA_CS)), one GEMM. Tiling N and P
+   gives B*H*tiles CTAs instead of B*H.
 2. ``chunk``: grid (nc, H, B), one CTA per chunk: all outputs except the cross-chunk sums, plus
    per-chunk partials of DMIMO_V [B,H,nc,R,P] and DD [B,H,nc] (workspaces).
-3. ``reduce``: grid (H, B): DMIMO_V and DD summed over chunks (deterministic, no atomics).
+3. ``reduce``: grid (H, B): DMIMO_V and DD summed over chunks, DDA over scan tiles (deterministic,
+   no atomics).
 
 Precision follows upstream: GEMM operands in the input dtype (bf16/fp16), fp32 accumulation, the
 elementwise math and every partial in fp32.
@@ -134,14 +137,14 @@ def _align(n: int) -> int:
 def _buffers(config: dict, shape: dict) -> dict:
     """name -> (bytes, (first step, last step)) of the chunk kernel's shared buffers. Steps: 0 loads,
     1 dPsiV, 2 DV / DMIMO_V / DD, 3 dkq, DSSDA and the same-step terms, 4 dk_hat, 5 DK and DFACTOR,
-    6 DDA, 7 dq_hat (STATES loaded here), 8 DQ and DANGLES."""
+    6 (unused), 7 dq_hat (STATES loaded here), 8 DQ and DANGLES."""
     C, R, N, P = shape["C"], shape["R"], shape["N"], shape["P"]
     F, nr = C * R, N // shape["rd"]
     e = 2
     return {
         "qp": (e * F * N, (0, 8)), "qh": (e * F * N, (0, 7)), "kp": (e * F * N, (0, 8)),
         "kh": (e * F * N, (0, 7)), "psiv": (e * F * P, (0, 4)), "dy": (e * F * P, (0, 7)),
-        "ds": (e * N * P, (0, 6)), "st": (e * N * P, (7, 7)), "w": (e * F * F, (1, 7)),
+        "ds": (e * N * P, (0, 4)), "st": (e * N * P, (7, 7)), "w": (e * F * F, (1, 7)),
         "prod": ((4 if config["lkq_fp32"] else e) * F * F, (1, 3)), "pv": (4 * F * R, (3, 3)),
         "dpsiv": (4 * F * P, (1, 2)), "dqk": (4 * F * R, (3, 8)), "g": (4 * F * N, (4, 8)),
         "rows": (4 * F, (4, 7)), "scal": (4 * 4 * C, (0, 8)), "seg": (4 * C * C, (0, 3)),
@@ -183,6 +186,7 @@ def _scan_program(config: dict, shape: dict):
     dtype = shape["dtype"]
     bn, bp, threads, stages = config["scan_block_N"], config["scan_block_P"], config["scan_threads"], config["scan_stages"]
     tiles_p = P // bp
+    tiles = (N // bn) * tiles_p
     half = N // 2
     dout_shape = (B, S, H, P) if shape["reduceO"] else (B, S, R, H, P)
 
@@ -191,8 +195,9 @@ def _scan_program(config: dict, shape: dict):
              ANGLES: T.Tensor((B, S, H, nr), F32), DA_CS: T.Tensor((B, H, S), F32),
              DOUT: T.Tensor(dout_shape, dtype), Z: T.Tensor((B, S, H, P), dtype),
              MIMO_O: T.Tensor((H, R, P), F32), MIMO_Z: T.Tensor((H, R, P), F32),
-             DSTATES: T.Tensor((B, H, nc, N, P), dtype)):
-        with T.Kernel(H, B, (N // bn) * tiles_p, threads=threads) as (h, b, tile):
+             STATES: T.Tensor((B, H, nc, N, P), "bfloat16"), DSTATES: T.Tensor((B, H, nc, N, P), dtype),
+             DDA_PART: T.Tensor((B, H, nc, tiles), F32)):
+        with T.Kernel(H, B, tiles, threads=threads) as (h, b, tile):
             hq = h // (H // G)
             n0 = (tile // tiles_p) * bn
             p0 = (tile % tiles_p) * bp
@@ -200,11 +205,20 @@ def _scan_program(config: dict, shape: dict):
             dy_s = T.alloc_shared((F, bp), dtype)
             ds_s = T.alloc_shared((bn, bp), dtype)
             ds_f = T.alloc_fragment((bn, bp), F32)
+            prod_f = T.alloc_fragment((bn, bp), F32)
+            row_f = T.alloc_fragment((bn,), F32)
+            one = T.alloc_fragment((1,), F32)
             T.clear(ds_f)
             for it in T.Pipelined(nc, num_stages=stages):
                 c = nc - 1 - it
                 T.copy(ds_f, ds_s)
                 T.copy(ds_s, DSTATES[b, h, c, n0:n0 + bn, p0:p0 + bp])
+                # DDA partial from the fp32 dS (a bf16 dS loses the cancellation in sum(S * dS)).
+                for i, j in T.Parallel(bn, bp):
+                    prod_f[i, j] = ds_f[i, j] * T.cast(STATES[b, h, c, n0 + i, p0 + j], F32)
+                T.reduce_sum(prod_f, row_f, dim=1)
+                T.reduce_sum(row_f, one, dim=0)
+                T.copy(one, DDA_PART[b, h, c, tile:tile + 1])
                 for f, j in T.Parallel(F, bn):
                     t = c * C + f // R
                     r = f % R
@@ -260,7 +274,7 @@ def _chunk_program(config: dict, shape: dict):
               DQ: T.Tensor((B, S * R, H, N), dtype), DK: T.Tensor((B, S * R, H, N), dtype),
               DV: T.Tensor((B, S, H, P), dtype), DANGLES: T.Tensor((B, S, H, nr), F32),
               DFACTOR: T.Tensor((B, H, S), F32), DGAMMA_DIAG: T.Tensor((B, H, S), F32),
-              DDA: T.Tensor((B, H, S), F32), DDA_CS: T.Tensor((B, H, S), F32), DDA_CS_REV: T.Tensor((B, H, S), F32),
+              DDA_CS: T.Tensor((B, H, S), F32), DDA_CS_REV: T.Tensor((B, H, S), F32),
               DSSDA: T.Tensor((B, H, nc, C, C), F32), DMV_PART: T.Tensor((B, H, nc, R, P), F32),
               DD_PART: T.Tensor((B, H, nc), F32)):
         with T.Kernel(nc, H, B, threads=threads) as (c, h, b):
@@ -300,11 +314,7 @@ def _chunk_program(config: dict, shape: dict):
             tmp_fn = T.alloc_fragment((F, N), F32)
             tmp_fp = T.alloc_fragment((F, P), F32)
             row_f = T.alloc_fragment((F,), F32)
-            tmp_np = T.alloc_fragment((N, P), F32)
-            row_n = T.alloc_fragment((N,), F32)
-            one = T.alloc_fragment((1,), F32)
             c_f = T.alloc_fragment((C,), F32)
-            dda_f = T.alloc_fragment((C,), F32)
             row_p = T.alloc_fragment((F,), F32)
             one_d = T.alloc_fragment((1,), F32)
             cc_f = T.alloc_fragment((C, C), F32)
@@ -443,15 +453,6 @@ def _chunk_program(config: dict, shape: dict):
                     acc_fn[f, n] = acc_fn[f, n] + dqk_s[(f // R) * R + o, f % R] * T.cast(qp_s[(f // R) * R + o, n], F32)
             T.copy(acc_fn, DK[b, c * F:(c + 1) * F, h, :])
 
-            # ---- DDA = exp(DA_CS_last) sum(S_c * dS_c)
-            for n, p in T.Parallel(N, P):
-                tmp_np[n, p] = T.cast(STATES[b, h, c, n, p], F32) * T.cast(ds_s[n, p], F32)
-            T.reduce_sum(tmp_np, row_n, dim=1)
-            T.reduce_sum(row_n, one, dim=0)
-            for t in T.Parallel(C):
-                dda_f[t] = one[0] * T.exp(DA_CS[b, h, t0 + C - 1])
-            T.copy(dda_f, DDA[b, h, t0:t0 + C])
-
             # ---- dq_hat = exp(DA_CS) dy S_c^T + masked dkq^T k_hat; DDA_CS, DQ, DANGLES
             T.copy(STATES[b, h, c, :, :], st_s)     # loaded once dS_c is dead: the two can share memory
             T.gemm(dy_s, st_s, acc_fn, transpose_B=True, clear_accum=True)
@@ -492,11 +493,22 @@ def _chunk_program(config: dict, shape: dict):
 def _reduce_program(config: dict, shape: dict):
     B, S, H, G, N, P, R, C, nc, nr, F = _dims(shape)
     hasD = shape["hasD"]
+    tiles = _scan_tiles(config, shape)
 
     @T.prim_func
     def reduce(DMV_PART: T.Tensor((B, H, nc, R, P), F32), DD_PART: T.Tensor((B, H, nc), F32),
-               DMIMO_V: T.Tensor((B, H, R, P), F32), DD: T.Tensor((B, H), F32)):
+               DDA_PART: T.Tensor((B, H, nc, tiles), F32), DA_CS: T.Tensor((B, H, S), F32),
+               DMIMO_V: T.Tensor((B, H, R, P), F32), DD: T.Tensor((B, H), F32), DDA: T.Tensor((B, H, S), F32)):
         with T.Kernel(H, B, threads=128) as (h, b):
+            dda_f = T.alloc_fragment((C,), F32)
+            for c in T.serial(nc):
+                # DDA = exp(DA_CS at the chunk's last step) * sum(S_c * dS_c), on every step of the chunk
+                T.clear(dda_f)
+                for t in T.Parallel(C):
+                    for k in T.serial(tiles):
+                        dda_f[t] = dda_f[t] + DDA_PART[b, h, c, k]
+                    dda_f[t] = dda_f[t] * T.exp(DA_CS[b, h, c * C + C - 1])
+                T.copy(dda_f, DDA[b, h, c * C:(c + 1) * C])
             acc = T.alloc_fragment((R, P), F32)
             T.clear(acc)
             for r, p in T.Parallel(R, P):
@@ -512,6 +524,10 @@ def _reduce_program(config: dict, shape: dict):
                 T.copy(tot, DD[b, h:h + 1])
 
     return reduce
+
+
+def _scan_tiles(config: dict, shape: dict) -> int:
+    return (shape["N"] // config["scan_block_N"]) * (shape["P"] // config["scan_block_P"])
 
 
 _PROGRAMS = {"scan": _scan_program, "chunk": _chunk_program, "reduce": _reduce_program}
@@ -561,15 +577,18 @@ def build(config: dict, shape: dict):
             work.update(device=dev, ds=torch.empty(B, H, nc, N, P, dtype=inputs["Q"].dtype, device=dev),
                         dmv=torch.empty(B, H, nc, R, P, dtype=torch.float32, device=dev),
                         dd=torch.zeros(B, H, nc, dtype=torch.float32, device=dev),
-                        dd_out=torch.empty(B, H, dtype=torch.float32, device=dev))
+                        dd_out=torch.empty(B, H, dtype=torch.float32, device=dev),
+                        dda=torch.empty(B, H, nc, _scan_tiles(config, shape), dtype=torch.float32, device=dev))
         i, o = inputs, outputs
         z, mo, mz, d = i["Z"], i["MIMO_O"], i["MIMO_Z"], i["D"]
-        kernels["scan"](i["Q"], i["Q_BIAS"], i["ANGLES"], i["DA_CS"], i["DOUT"], z, mo, mz, work["ds"])
+        kernels["scan"](i["Q"], i["Q_BIAS"], i["ANGLES"], i["DA_CS"], i["DOUT"], z, mo, mz, i["STATES"], work["ds"],
+                        work["dda"])
         kernels["chunk"](i["Q"], i["K"], i["V"], i["Q_BIAS"], i["K_BIAS"], i["MIMO_V"], mo, mz, z, d, i["ANGLES"],
                          i["DA_CS"], i["DA_CS_REV"], i["DT"], i["TRAP"], i["STATES"], i["QK_DOT"], i["SEGSUM"],
                          i["DOUT"], work["ds"], o["DQ"], o["DK"], o["DV"], o["DANGLES"], o["DFACTOR"],
-                         o["DGAMMA_DIAG"], o["DDA"], o["DDA_CS"], o["DDA_CS_REV"], o["DSSDA"], work["dmv"], work["dd"])
-        kernels["reduce"](work["dmv"], work["dd"], o["DMIMO_V"], o["DD"] if shape["hasD"] else work["dd_out"])
+                         o["DGAMMA_DIAG"], o["DDA_CS"], o["DDA_CS_REV"], o["DSSDA"], work["dmv"], work["dd"])
+        kernels["reduce"](work["dmv"], work["dd"], work["dda"], i["DA_CS"], o["DMIMO_V"],
+                          o["DD"] if shape["hasD"] else work["dd_out"], o["DDA"])
         return info
     return run
 
