@@ -40,10 +40,15 @@ COLUMNS = {
 
 
 def git_state(root: Path | None = None) -> tuple[str, bool]:
-    """(commit, dirty) of the project checkout; ("unknown", False) outside git."""
-    # A copy of the tree without .git (the GPU machine gets one) names its commit in LAB_GIT_COMMIT.
+    """(commit, dirty) of the project checkout; ("unknown", False) outside git.
+
+    LAB_GIT_COMMIT / LAB_GIT_DIRTY, when set, win: the GPU machine gets a copy of the working tree
+    whose .git (when it has one) can be an older snapshot than the files beside it (seen 2026-11-22:
+    rows of commit 8e877f3's code recorded the stale a1ec5f3, dirty)."""
     root = root or Path(__file__).resolve().parent.parent
-    fallback = (os.environ.get("LAB_GIT_COMMIT", "unknown"), os.environ.get("LAB_GIT_DIRTY", "0") == "1")
+    if os.environ.get("LAB_GIT_COMMIT"):
+        return os.environ["LAB_GIT_COMMIT"], os.environ.get("LAB_GIT_DIRTY", "0") == "1"
+    fallback = ("unknown", False)
     try:
         p = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=root, capture_output=True,
                            text=True, timeout=10)

@@ -45,7 +45,7 @@ def _parity_at(problem, run, shape, device, seed, tol):
     run(inputs, outputs)
     _sync(device)
     ref = problem.reference(inputs, shape)
-    ok, errors = parity.compare(outputs, ref, tol)
+    ok, errors = parity.compare(outputs, ref, tol, problem.output_tolerances(shape))
     return ok, errors
 
 
@@ -60,6 +60,7 @@ def run_trial(task: dict) -> dict:
     mod = lane.module
     config, shape, seed = task["config"], task["shape"], task["seed"]
     tol = problem.tolerance(shape)
+    per = problem.output_tolerances(shape)
     out: dict = {"tol_rel_l2": tol.rel_l2, "tol_rel_max": tol.rel_max}
     phase = "compile"
     try:
@@ -74,12 +75,12 @@ def run_trial(task: dict) -> dict:
             out.update({f"launch_{k}": v for k, v in info.items()})
         phase = "parity"
         ref = problem.reference(inputs, shape)
-        ok, errors = parity.compare(outputs, ref, tol)
+        ok, errors = parity.compare(outputs, ref, tol, per)
         out["parity"] = {k: vars(v) for k, v in errors.items()}
         out["parity_rel_l2"] = max(e.rel_l2 for e in errors.values())
         out["parity_rel_max"] = max(e.rel_max for e in errors.values())
         if not ok:
-            return {**out, "status": "wrong_result", "error": parity.describe_failure(errors, tol, "timed shape")}
+            return {**out, "status": "wrong_result", "error": parity.describe_failure(errors, tol, "timed shape", per)}
         checked = ["timed"]
         for i, pshape in enumerate(problem.parity_shapes(shape)):
             if mod.config_reason(config, pshape):
@@ -89,7 +90,7 @@ def run_trial(task: dict) -> dict:
             where = "x".join(str(pshape[d]) for d in problem.dims)
             checked.append(where)
             if not ok:
-                return {**out, "status": "wrong_result", "error": parity.describe_failure(errors, tol, where)}
+                return {**out, "status": "wrong_result", "error": parity.describe_failure(errors, tol, where, per)}
         out["parity_shapes"] = checked
         if task.get("no_timing"):
             return {**out, "status": "ok"}
@@ -101,10 +102,10 @@ def run_trial(task: dict) -> dict:
         t = timing.bench(lambda: run(t_inputs, t_outputs), device=device, l2_bytes=task.get("l2_bytes", 0),
                          **task.get("timing", {}))
         clocks1 = timing.gpu_clocks() if device.startswith("cuda") else {}
-        ok, errors = parity.compare(t_outputs, problem.reference(t_inputs, shape), tol)
+        ok, errors = parity.compare(t_outputs, problem.reference(t_inputs, shape), tol, per)
         if not ok:
             return {**out, "status": "wrong_result",
-                    "error": parity.describe_failure(errors, tol, "timed shape after timing (fresh inputs)")}
+                    "error": parity.describe_failure(errors, tol, "timed shape after timing (fresh inputs)", per)}
         out.update(time_ms=t.median_ms, time_q1_ms=t.q1_ms, time_q3_ms=t.q3_ms, time_iqr_ms=t.iqr_ms,
                    time_ci_half_ms=t.ci_half_ms, samples=t.n, samples_ms=t.samples_ms, timing_stop=t.stop,
                    graph_ms=t.graph_ms, graph_note=t.graph_note,

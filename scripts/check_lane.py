@@ -34,7 +34,8 @@ def main() -> int:
         info = run(inputs, outputs)
         torch.cuda.synchronize()
         print(f"{name}: built+first call {time.perf_counter() - t0:.1f} s, launch info {info}")
-        ok, errors = parity.compare(outputs, problem.reference(inputs, shape), problem.tolerance(shape))
+        ok, errors = parity.compare(outputs, problem.reference(inputs, shape), problem.tolerance(shape),
+                                    problem.output_tolerances(shape))
         bad += not ok
         for out, e in errors.items():
             print(f"  {out:12s} rel_l2={e.rel_l2:.3e} rel_max={e.rel_max:.3e} nonfinite={e.nonfinite}")

@@ -55,6 +55,10 @@ class Problem:
     def tolerance(self, shape: dict) -> Tolerance:
         raise NotImplementedError
 
+    def output_tolerances(self, shape: dict) -> dict[str, Tolerance]:
+        """Bands of outputs that differ from :meth:`tolerance` (each with its reason in the problem)."""
+        return {}
+
     def flops(self, shape: dict) -> float:
         """Floating-point operations of one call."""
         raise NotImplementedError

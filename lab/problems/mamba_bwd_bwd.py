@@ -123,6 +123,15 @@ class MambaBwdBwd(Problem):
     def tolerance(self, shape: dict) -> Tolerance:
         return _TOL[shape["dtype"]]
 
+    def output_tolerances(self, shape: dict) -> dict:
+        """DDA is exp(a) * sum over N*P of S_c * dS_c: a sum with heavy cancellation, so bf16 GEMM
+        operands upstream of dS (q_hat, dy) show up amplified, most where few chunks carry it.
+        Measured on the H100 (2026-11-22): rel_l2 ~3e-3 at the named shapes, 1.3e-2 at the 3-chunk
+        parity shape (B=1 S=48 H=3), whether dS is kept in fp32 or bf16 for the sum."""
+        if shape["dtype"] != "bfloat16":
+            return {}
+        return {"DDA": Tolerance(rel_l2=3e-2, rel_max=4e-2)}
+
     def flops(self, shape: dict) -> float:
         """Tensor-core FLOPs as the chunked algorithm performs them (brief: 2BHSR(4NP + 3CR(N+P)))."""
         B, S, H, G, N, P, R, C, nc, nr = m3.dims(shape)
