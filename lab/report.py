@@ -158,11 +158,38 @@ def markdown(df: pd.DataFrame) -> str:
                 runs = ", ".join(sorted(set(bs["confirm_run"].dropna()))) if source == "A/B confirm" else "sweep rows"
                 lines.append(f"Timing and ratios from: {source} ({runs}; ratio = baseline time / lane time; verdict "
                              f"by IQR overlap). Sweep best = the DSL's lowest sweep median over all runs.")
+            lines += _worst_parity(gs)
             drift = gs["clock_drift"].fillna(False).astype(bool).sum()
             if drift:
                 lines.append(f"WARNING: {drift} rows had SM clock drift > 10% between start and end of timing.")
             lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def _worst_parity(gs: pd.DataFrame) -> list[str]:
+    """For kernels with several outputs: the worst relative errors per output over every parity-checked
+    trial of each DSL at this shape (rel_l2 / rel_max, from each row's parity_json)."""
+    worst: dict[str, dict[str, list[float]]] = {}
+    for _, r in gs[gs["parity_json"].notna()].iterrows():
+        try:
+            per = json.loads(r["parity_json"])
+        except (TypeError, ValueError):
+            continue
+        if not isinstance(per, dict) or len(per) < 2:
+            continue
+        for out, e in per.items():
+            w = worst.setdefault(r["dsl"], {}).setdefault(out, [0.0, 0.0, 0])
+            w[0], w[1], w[2] = max(w[0], e["rel_l2"]), max(w[1], e["rel_max"]), w[2] + 1
+    if not worst:
+        return []
+    outs = list(next(iter(worst.values())))
+    lines = ["", "Worst relative error per output over the parity-checked trials at this shape (rel_l2 / rel_max; n trials):", "",
+             "| DSL | n | " + " | ".join(outs) + " |", "|---|---|" + "---|" * len(outs)]
+    for dsl, per in sorted(worst.items()):
+        n = max(v[2] for v in per.values())
+        lines.append(f"| {dsl} | {n} | " + " | ".join(
+            f"{per[o][0]:.1e} / {per[o][1]:.1e}" if o in per else "-" for o in outs) + " |")
+    return lines
 
 
 def plots(df: pd.DataFrame, out: Path) -> list[Path]:

@@ -3,6 +3,8 @@ sm_121a (GB10), the GB10 shape fits 99 KiB there with the recorded pass configs,
 estimate tracks the compiler, and the config rules refuse what cannot run."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 # Imported, not importorskip: a missing DSL must fail the run, never skip it silently.
@@ -66,3 +68,18 @@ def test_target_rules_and_eligibility():
     assert lane.eligibility("sm_75") and lane.eligibility("sm_121a") is None
     pc = lane._pass_configs(D)
     assert pc["tl.enable_aggressive_shared_memory_merge"] and pc["tl.disable_tma_lower"]
+
+
+def test_cli_preflight_lists_configs_that_fit_gb10(lab_env):
+    """`python -m lab preflight mamba_bwd_bwd --device gb10` per named shape: compiled for sm_121a,
+    each compiled config listed as fits / over with its bytes; the estimate agrees with the compiler."""
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-m", "lab", "preflight", "mamba_bwd_bwd", "--device", "gb10", "--dsl",
+                        "tilelang", "--shape", "gb10", "--compile-limit", "2", "--jobs", "2"],
+                       capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parent.parent)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "shape gb10" in p.stdout and "limit 101,376 B" in p.stdout and "compiled 2 for sm_121a" in p.stdout
+    listed = [ln for ln in p.stdout.splitlines() if ln.strip().startswith(("fits ", "over ", "error "))]
+    assert len(listed) == 2 and all("B compiled" in ln for ln in listed if not ln.strip().startswith("error"))
+    assert "0 on the wrong side of the limit" in p.stdout
