@@ -50,7 +50,10 @@ def cmd_preflight(args) -> int:
     for n in names:
         if n not in shapes:
             raise LabError(f"unknown shape {n!r} for {args.kernel} (known: {', '.join(shapes)})")
-    dsls = registry.dsls() if args.dsl == "all" else [args.dsl]
+    table = registry.eligibility_table(args.kernel, prof.target)
+    if args.dsl != "all":
+        registry.get(args.dsl, args.kernel)  # unknown DSL / no file for this kernel: one-line error
+    dsls = list(table) if args.dsl == "all" else [args.dsl]
     limit = None if args.compile_limit < 0 else args.compile_limit
     for n in names:
         shape = dict(shapes[n])
@@ -58,11 +61,11 @@ def cmd_preflight(args) -> int:
         print(f"preflight {args.kernel} shape {n} {json.dumps(shape)} on {prof.name} ({prof.target}, "
               f"limit {prof.smem_optin_bytes:,} B)")
         for dsl in dsls:
-            lane = registry.get(dsl, args.kernel)
-            e = lane.eligibility(prof.target)
+            e = table[dsl]
             if not e.ok:
                 print(f"  {dsl:8} {e}")
                 continue
+            lane = registry.get(dsl, args.kernel)
             sp = space.load_space(args.kernel, dsl, tuple(lane.module.TUNABLES))
             s = preflight.summarize(lane, sp, shape, prof, limit, seed=args.seed, workers=args.jobs)
             rules = sum(v for k, v in s["rejected"].items() if k != "estimate")
