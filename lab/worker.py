@@ -38,14 +38,14 @@ def _err_text(exc: BaseException) -> str:
     return " | ".join(lines[:3] + (["..."] if len(lines) > 6 else []) + lines[-3:] if len(lines) > 6 else lines)[:1500]
 
 
-def _parity_at(problem, run, shape, device, seed, tol):
+def _parity_at(problem, run, shape, device, seed, tol, per):
     from lab import parity
     inputs = problem.make_inputs(shape, device, seed)
     outputs = problem.alloc_outputs(shape, device)
     run(inputs, outputs)
     _sync(device)
     ref = problem.reference(inputs, shape)
-    ok, errors = parity.compare(outputs, ref, tol, problem.output_tolerances(shape))
+    ok, errors = parity.compare(outputs, ref, tol, per)
     return ok, errors
 
 
@@ -86,7 +86,8 @@ def run_trial(task: dict) -> dict:
             if mod.config_reason(config, pshape):
                 continue  # this config does not apply at that shape; the timed shape still counts
             prun = mod.build(config, pshape)
-            ok, errors = _parity_at(problem, prun, pshape, device, seed + 1 + i, tol)
+            ok, errors = _parity_at(problem, prun, pshape, device, seed + 1 + i, tol,
+                                    problem.output_tolerances(pshape))
             where = "x".join(str(pshape[d]) for d in problem.dims)
             checked.append(where)
             if not ok:

@@ -11,6 +11,30 @@ import tempfile
 import torch
 import tilelang
 import tvm
+from tilelang.transform import PassConfigKey
+
+TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_120a", "sm_121a")
+
+
+def eligibility(kernel: str, target: str) -> str | None:
+    """Why a TileLang lane cannot compile for ``target`` (None when it can)."""
+    if target not in TARGETS:
+        return f"tilelang {kernel} has no path for {target} (has {', '.join(TARGETS)})"
+    return None
+
+
+def pass_configs(tma: bool, warp_specialized: bool, aggressive_smem_merge: bool, fast_math: bool = False) -> dict:
+    """TileLang pass configs for the lanes' boolean tunables (names from tilelang.transform.PassConfigKey)."""
+    pc = {}
+    if not tma:
+        pc[PassConfigKey.TL_DISABLE_TMA_LOWER.value] = True
+    if not warp_specialized:
+        pc[PassConfigKey.TL_DISABLE_WARP_SPECIALIZED.value] = True
+    if fast_math:
+        pc[PassConfigKey.TL_ENABLE_FAST_MATH.value] = True
+    if aggressive_smem_merge:
+        pc[PassConfigKey.TL_ENABLE_AGGRESSIVE_SHARED_MEMORY_MERGE.value] = True
+    return pc
 
 
 def cc(target: str) -> int:

@@ -46,7 +46,6 @@ import time
 import torch
 import tilelang
 import tilelang.language as T
-from tilelang.transform import PassConfigKey
 
 from kernels.tilelang import _common as tl
 
@@ -57,7 +56,7 @@ TUNABLES = ("block_M", "block_N", "block_K", "num_stages", "threads", "panel_siz
 DEFAULTS = {"block_M": 128, "block_N": 256, "block_K": 64, "num_stages": 3, "threads": 256,
             "panel_size": 10, "policy": "Square", "epilogue": "smem", "tma": True,
             "warp_specialized": True, "aggressive_smem_merge": False}
-TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_120a", "sm_121a")
+TARGETS = tl.TARGETS
 DTYPES = ("float16", "bfloat16")
 POLICIES = ("Square", "FullRow", "FullCol")
 EPILOGUES = ("direct", "smem")
@@ -99,9 +98,7 @@ def config_reason(config: dict, shape: dict) -> str | None:
 
 def eligibility(target: str) -> str | None:
     """Why this lane cannot compile for ``target`` (None when it can)."""
-    if target not in TARGETS:
-        return f"tilelang gemm has no path for {target} (has {', '.join(TARGETS)})"
-    return None
+    return tl.eligibility(KERNEL, target)
 
 
 def target_reason(config: dict, target: str) -> str | None:
@@ -116,14 +113,7 @@ def target_reason(config: dict, target: str) -> str | None:
 
 
 def _pass_configs(config: dict) -> dict:
-    pc = {}
-    if not config["tma"]:
-        pc[PassConfigKey.TL_DISABLE_TMA_LOWER.value] = True
-    if not config["warp_specialized"]:
-        pc[PassConfigKey.TL_DISABLE_WARP_SPECIALIZED.value] = True
-    if config["aggressive_smem_merge"]:
-        pc[PassConfigKey.TL_ENABLE_AGGRESSIVE_SHARED_MEMORY_MERGE.value] = True
-    return pc
+    return tl.pass_configs(config["tma"], config["warp_specialized"], config["aggressive_smem_merge"])
 
 
 def smem_estimate(config: dict, shape: dict, target: str) -> int:

@@ -41,7 +41,6 @@ import time
 import torch
 import tilelang
 import tilelang.language as T
-from tilelang.transform import PassConfigKey
 
 from kernels.tilelang import _common as tl
 
@@ -52,7 +51,7 @@ TUNABLES = ("threads", "scan_threads", "scan_block_N", "scan_block_P", "scan_sta
 DEFAULTS = {"threads": 256, "scan_threads": 128, "scan_block_N": 64, "scan_block_P": 32, "scan_stages": 0,
             "lkq_fp32": False, "swizzle": True, "tma": False, "warp_specialized": False, "fast_math": True,
             "aggressive_smem_merge": True}
-TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_120a", "sm_121a")
+TARGETS = tl.TARGETS
 DTYPES = ("float16", "bfloat16")
 F32 = "float32"
 
@@ -87,9 +86,7 @@ def config_reason(config: dict, shape: dict) -> str | None:
 
 
 def eligibility(target: str) -> str | None:
-    if target not in TARGETS:
-        return f"tilelang mamba_bwd_bwd has no path for {target} (has {', '.join(TARGETS)})"
-    return None
+    return tl.eligibility(KERNEL, target)
 
 
 def target_reason(config: dict, target: str) -> str | None:
@@ -100,16 +97,8 @@ def target_reason(config: dict, target: str) -> str | None:
 
 
 def _pass_configs(config: dict) -> dict:
-    pc = {}
-    if not config["tma"]:
-        pc[PassConfigKey.TL_DISABLE_TMA_LOWER.value] = True
-    if not config["warp_specialized"]:
-        pc[PassConfigKey.TL_DISABLE_WARP_SPECIALIZED.value] = True
-    if config["fast_math"]:
-        pc[PassConfigKey.TL_ENABLE_FAST_MATH.value] = True
-    if config["aggressive_smem_merge"]:
-        pc[PassConfigKey.TL_ENABLE_AGGRESSIVE_SHARED_MEMORY_MERGE.value] = True
-    return pc
+    return tl.pass_configs(config["tma"], config["warp_specialized"], config["aggressive_smem_merge"],
+                           config["fast_math"])
 
 
 def smem_estimate(config: dict, shape: dict, target: str) -> int:
@@ -241,16 +230,36 @@ def _scan_program(config: dict, shape: dict):
     return scan
 
 
-def _per_step_sum_macro(C: int, R: int):
+def _chunk_macros(C: int, R: int, N: int, nr: int):
+    """Macros of the chunk kernel's steps that run once for the k side and once for the q side."""
+    F, half = C * R, N // 2
+
     @T.macro
-    def per_step_sum(rows_s, c_f, out):
-        """out[t] = sum over the R fused rows of step t of rows_s (a [C*R] shared vector)."""
+    def per_step_row_sum(prod_fn, row_f, rows_s, c_f, out):
+        """out[t] = sum over the R fused rows of step t and the N columns of prod_fn ([F, N] fragment)."""
+        T.reduce_sum(prod_fn, row_f, dim=1)
+        T.copy(row_f, rows_s)
         T.clear(c_f)
         for t in T.Parallel(C):
             for r in T.serial(R):
                 c_f[t] = c_f[t] + rows_s[t * R + r]
         T.copy(c_f, out)
-    return per_step_sum
+
+    @T.macro
+    def angle_grad(g_s, x_s, cos_s, sin_s, fac_s, ang_s, first):
+        """dL/dangle of the rotary pairs from g_s = dL/d(rotated x) and the unrotated x_s; the k side
+        (``first``) scales by factor and writes ang_s, the q side adds to it."""
+        for f, j in T.Parallel(F, nr):
+            x0 = T.cast(x_s[f, j], F32)
+            x1 = T.cast(x_s[f, half + j], F32)
+            cs = cos_s[f // R, j]
+            sn = sin_s[f // R, j]
+            if first:
+                ang_s[f, j] = fac_s[f // R] * (g_s[f, j] * (-x0 * sn - x1 * cs) + g_s[f, half + j] * (x0 * cs - x1 * sn))
+            else:
+                ang_s[f, j] = ang_s[f, j] + g_s[f, j] * (-x0 * sn - x1 * cs) + g_s[f, half + j] * (x0 * cs - x1 * sn)
+
+    return per_step_row_sum, angle_grad
 
 
 def _chunk_program(config: dict, shape: dict):
@@ -260,7 +269,7 @@ def _chunk_program(config: dict, shape: dict):
     half = N // 2
     hasD, hasZ = shape["hasD"], shape["hasZ"]
     dout_shape = (B, S, H, P) if shape["reduceO"] else (B, S, R, H, P)
-    _per_step_sum = _per_step_sum_macro(C, R)
+    _per_step_row_sum, _angle_grad = _chunk_macros(C, R, N, nr)
 
     @T.prim_func
     def chunk(Q: T.Tensor((B, S, R, G, N), dtype), K: T.Tensor((B, S, R, G, N), dtype),
@@ -422,19 +431,12 @@ def _chunk_program(config: dict, shape: dict):
             T.gemm(psiv_s, ds_s, acc_fn, transpose_B=True, clear_accum=True)
             for f, n in T.Parallel(F, N):
                 tmp_fn[f, n] = acc_fn[f, n] * T.cast(kh_s[f, n], F32)
-            T.reduce_sum(tmp_fn, row_f, dim=1)
-            T.copy(row_f, rows_s)
-            _per_step_sum(rows_s, c_f, DDA_CS_REV[b, h, t0:t0 + C])
+            _per_step_row_sum(tmp_fn, row_f, rows_s, c_f, DDA_CS_REV[b, h, t0:t0 + C])
             for f, n in T.Parallel(F, N):
                 acc_fn[f, n] = acc_fn[f, n] * er_s[f // R]
             T.gemm(w_s, qh_s, acc_fn)
             T.copy(acc_fn, g_s)                                                  # dk_hat (rotated frame)
-            for f, j in T.Parallel(F, nr):
-                x0 = T.cast(kp_s[f, j], F32)
-                x1 = T.cast(kp_s[f, half + j], F32)
-                cs = cos_s[f // R, j]
-                sn = sin_s[f // R, j]
-                ang_s[f, j] = fac_s[f // R] * (g_s[f, j] * (-x0 * sn - x1 * cs) + g_s[f, half + j] * (x0 * cs - x1 * sn))
+            _angle_grad(g_s, kp_s, cos_s, sin_s, fac_s, ang_s, True)
             for f, n in T.Parallel(F, N):
                 m = n % half
                 partner = T.if_then_else(n < half, n + half, n - half)
@@ -444,9 +446,7 @@ def _chunk_program(config: dict, shape: dict):
                 tmp_fn[f, n] = T.if_then_else(m < nr, g_s[f, n] * cs + sgn * g_s[f, partner] * sn, g_s[f, n])
             for f, n in T.Parallel(F, N):
                 acc_fn[f, n] = tmp_fn[f, n] * T.cast(kp_s[f, n], F32)
-            T.reduce_sum(acc_fn, row_f, dim=1)
-            T.copy(row_f, rows_s)
-            _per_step_sum(rows_s, c_f, DFACTOR[b, h, t0:t0 + C])
+            _per_step_row_sum(acc_fn, row_f, rows_s, c_f, DFACTOR[b, h, t0:t0 + C])
             for f, n in T.Parallel(F, N):
                 acc_fn[f, n] = fac_s[f // R] * tmp_fn[f, n]
                 for o in T.serial(R):
@@ -458,19 +458,12 @@ def _chunk_program(config: dict, shape: dict):
             T.gemm(dy_s, st_s, acc_fn, transpose_B=True, clear_accum=True)
             for f, n in T.Parallel(F, N):
                 tmp_fn[f, n] = acc_fn[f, n] * T.cast(qh_s[f, n], F32)
-            T.reduce_sum(tmp_fn, row_f, dim=1)
-            T.copy(row_f, rows_s)
-            _per_step_sum(rows_s, c_f, DDA_CS[b, h, t0:t0 + C])
+            _per_step_row_sum(tmp_fn, row_f, rows_s, c_f, DDA_CS[b, h, t0:t0 + C])
             for f, n in T.Parallel(F, N):
                 acc_fn[f, n] = acc_fn[f, n] * ea_s[f // R]
             T.gemm(w_s, kh_s, acc_fn, transpose_A=True)
             T.copy(acc_fn, g_s)                                                  # dq_hat
-            for f, j in T.Parallel(F, nr):
-                x0 = T.cast(qp_s[f, j], F32)
-                x1 = T.cast(qp_s[f, half + j], F32)
-                cs = cos_s[f // R, j]
-                sn = sin_s[f // R, j]
-                ang_s[f, j] = ang_s[f, j] + g_s[f, j] * (-x0 * sn - x1 * cs) + g_s[f, half + j] * (x0 * cs - x1 * sn)
+            _angle_grad(g_s, qp_s, cos_s, sin_s, fac_s, ang_s, False)
             T.clear(ang_f)
             for t, j in T.Parallel(C, nr):
                 for r in T.serial(R):

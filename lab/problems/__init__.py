@@ -26,6 +26,7 @@ class Problem:
     dims: tuple[str, ...] = ()
     dtypes: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ()
+    flags: tuple[str, ...] = ()      # dims that are true/false options rather than sizes
 
     def check_shape(self, shape: dict) -> None:
         missing = [d for d in self.dims if d not in shape]
@@ -36,9 +37,13 @@ class Problem:
                            f"{'; unknown ' + ', '.join(extra) if extra else ''}")
         if shape.get("dtype") not in self.dtypes:
             raise LabError(f"{self.name} dtype {shape.get('dtype')!r} not in {', '.join(self.dtypes)}")
-        bad = [d for d in self.dims if not isinstance(shape[d], int) or shape[d] <= 0]
+        bad = [d for d in self.dims if d not in self.flags
+               and (isinstance(shape[d], bool) or not isinstance(shape[d], int) or shape[d] <= 0)]
+        bad += [f for f in self.flags if not isinstance(shape[f], bool)]
         if bad:
-            raise LabError(f"{self.name} shape dims must be positive integers: {', '.join(bad)}")
+            raise LabError(f"{self.name} shape dims must be positive integers"
+                           f"{' (flags ' + ', '.join(self.flags) + ': true/false)' if self.flags else ''}: "
+                           f"{', '.join(bad)}")
 
     def make_inputs(self, shape: dict, device: str, seed: int) -> dict:
         """Fresh random inputs (never zeros) drawn from ``seed``."""

@@ -148,6 +148,17 @@ def forward_states(inp: dict, shape: dict, dtype=torch.float32) -> tuple[torch.T
 # reference (2): the boundary as explicit gradient formulas
 
 
+def reference_outputs(inp: dict, shape: dict) -> dict:
+    """:func:`bwd_bwd` where the inputs live: fp64 on the CPU, fp32 on a GPU (TF32 off)."""
+    on_cpu = inp["Q"].device.type == "cpu"
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        return bwd_bwd(inp, shape, torch.float64 if on_cpu else torch.float32)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
 def bwd_bwd(inp: dict, shape: dict, dtype=torch.float64) -> dict:
     """All bwd_bwd outputs in ``dtype`` (DD only when hasD), one batch element at a time."""
     parts = [_bwd_bwd_batch({k: (v[b:b + 1] if _batched(k) else v) for k, v in inp.items()}, shape, dtype)

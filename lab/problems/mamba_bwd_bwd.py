@@ -37,20 +37,10 @@ class MambaBwdBwd(Problem):
     dtypes = ("bfloat16", "float16")
     outputs = m3.OUTPUTS
 
+    flags = FLAGS
+
     def check_shape(self, shape: dict) -> None:
-        missing = [d for d in self.dims if d not in shape]
-        extra = [k for k in shape if k not in self.dims and k != "dtype"]
-        if missing or extra:
-            raise LabError(f"{self.name} shape needs {', '.join(self.dims)} and dtype"
-                           f"{'; missing ' + ', '.join(missing) if missing else ''}"
-                           f"{'; unknown ' + ', '.join(extra) if extra else ''}")
-        if shape["dtype"] not in self.dtypes:
-            raise LabError(f"{self.name} dtype {shape['dtype']!r} not in {', '.join(self.dtypes)}")
-        ints = [d for d in self.dims if d not in FLAGS]
-        bad = [d for d in ints if isinstance(shape[d], bool) or not isinstance(shape[d], int) or shape[d] <= 0]
-        bad += [f for f in FLAGS if not isinstance(shape[f], bool)]
-        if bad:
-            raise LabError(f"{self.name}: {', '.join(bad)} must be positive integers (flags true/false)")
+        super().check_shape(shape)
         s = shape
         rules = [(s["H"] % s["G"] == 0, "H must be a multiple of G"),
                  (s["S"] % s["C"] == 0, "S must be a multiple of C (as upstream asserts)"),
@@ -112,13 +102,7 @@ class MambaBwdBwd(Problem):
 
     def reference(self, inputs: dict, shape: dict) -> dict:
         """Reference (2) in fp64 on the CPU and fp32 on a GPU (TF32 off)."""
-        on_cpu = inputs["Q"].device.type == "cpu"
-        prev = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = False
-        try:
-            return m3.bwd_bwd(inputs, shape, torch.float64 if on_cpu else torch.float32)
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = prev
+        return m3.reference_outputs(inputs, shape)
 
     def tolerance(self, shape: dict) -> Tolerance:
         return _TOL[shape["dtype"]]
