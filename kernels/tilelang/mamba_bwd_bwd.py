@@ -9,10 +9,16 @@ every dS_c is known, each chunk's work (about ten GEMMs and all the elementwise 
    for one (block_N x block_P) tile of dS, writing dS_c (bf16, the GEMM operand dtype upstream uses
    too) to a workspace [B, H, nc, N, P], and its tile's part of sum(S_c * dS_c) from the fp32 dS
    (DDA: with a bf16 dS the cancellation in that sum cost 1.5% rel. error at a 3-chunk shape). Per
-   step: q_hat tile (bias + rotary), dy tile (Phi, SiLU gate, exp(DA_CS)), one GEMM. Tiling N and P
-   gives B*H*tiles CTAs instead of B*H.
+   step: the chunk's raw Q rows, angles, DOUT, Z and STATES tile are copied into shared memory (cp.async,
+   ``scan_stages`` steps ahead: the loads are off the serial path), then the q_hat tile (bias + rotary,
+   cos/sin once per (step, pair)) and the dy tile (Phi, SiLU gate, exp(DA_CS)) are built there and fed
+   to one GEMM. Tiling N and P gives B*H*tiles CTAs instead of B*H.
 2. ``chunk``: grid (nc, H, B), one CTA per chunk: all outputs except the cross-chunk sums, plus
-   per-chunk partials of DMIMO_V [B,H,nc,R,P] and DD [B,H,nc] (workspaces).
+   per-chunk partials of DMIMO_V [B,H,nc,R,P] and DD [B,H,nc] (workspaces). The same-step R x R terms
+   (QK_DOT into dPsiV, dqk into DK and DQ) ride in block-diagonal F x F operands of tensor-core GEMMs
+   rather than R-deep loops over shared memory per element (the kernel was bound by shared-memory
+   traffic: L1 72% busy at 12.5% occupancy, ncu, H100, 2026-11-22), and DD is the trace of
+   PsiV dy^T, which the dkq GEMM already holds.
 3. ``reduce``: grid (H, B): DMIMO_V and DD summed over chunks, DDA over scan tiles (deterministic,
    no atomics).
 
@@ -107,14 +113,16 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
     A liveness model of its shared buffers (``_buffers``: size and the steps where each is live;
     e = element size of the dtype, F = C*R): q, q_hat, k, k_hat (e F N each), PsiV and dy (e F P),
     dS_c and STATES (e N P, never live together), the masked F x F operand (e F F), k_hat.q_hat kept
-    for DSSDA (e or 4 bytes x F F), dPsiV and the fp32 dk/dq staging tile, per-step scalars, exp(SEGSUM),
-    cos/sin, QK_DOT, the same-step terms and the angle gradients. TileLang 0.1.15 reuses shared buffers
+    for DSSDA (e or 4 bytes x F F), the block-diagonal same-step operand of DK / DQ (e F F), dPsiV and
+    the fp32 dk/dq staging tile, per-step scalars, exp(SEGSUM), cos/sin, QK_DOT, the same-step terms
+    and the angle gradients. TileLang 0.1.15 reuses shared buffers
     whose lifetimes do not overlap (with or without tl.enable_aggressive_shared_memory_merge for this
     kernel), so the figure is the largest live set over the steps, 16-byte aligned per buffer, plus
     768 B on sm_90 (measured: every sm_90a build is 768 B above its sm_121a twin).
     Measured against the compiler (tests/test_tilelang_mamba.py): exact for the GB10 shape on sm_90a and
-    sm_121a and for the N=64 shapes; the planner packs less tightly than the model at N=128 (up to
-    ~9% above it with lkq_fp32, where the fp32 F x F buffer is not at the peak step)."""
+    sm_121a and for the N=64 shapes (both lkq variants); the planner packs less tightly than the model at
+    N=128 (h100_tuned: 1.2% above it, 13% with lkq_fp32, where the fp32 F x F buffer is not at the
+    peak step)."""
     c = {**DEFAULTS, **config}
     return _merged(_buffers(c, shape)) + (768 if tl.cc(target) == 90 else 0)
 
@@ -125,8 +133,9 @@ def _align(n: int) -> int:
 
 def _buffers(config: dict, shape: dict) -> dict:
     """name -> (bytes, (first step, last step)) of the chunk kernel's shared buffers. Steps: 0 loads,
-    1 dPsiV, 2 DV / DMIMO_V / DD, 3 dkq, DSSDA and the same-step terms, 4 dk_hat, 5 DK and DFACTOR,
-    6 (unused), 7 dq_hat (STATES loaded here), 8 DQ and DANGLES."""
+    1 dPsiV, 2 DV / DMIMO_V, 3 dkq, DSSDA, the same-step terms and DD, 4 the dk_hat GEMMs (last use of
+    PsiV and dS_c) and DDA_CS_REV, 5 dk_hat staged, its angle gradient, DK and DFACTOR, 6 (unused),
+    7 dq_hat (STATES loaded here), 8 DQ and DANGLES."""
     C, R, N, P = shape["C"], shape["R"], shape["N"], shape["P"]
     F, nr = C * R, N // shape["rd"]
     e = 2
@@ -135,9 +144,9 @@ def _buffers(config: dict, shape: dict) -> dict:
         "kh": (e * F * N, (0, 7)), "psiv": (e * F * P, (0, 4)), "dy": (e * F * P, (0, 7)),
         "ds": (e * N * P, (0, 4)), "st": (e * N * P, (7, 7)), "w": (e * F * F, (1, 7)),
         "prod": ((4 if config["lkq_fp32"] else e) * F * F, (1, 3)), "pv": (4 * F * R, (3, 3)),
-        "dpsiv": (4 * F * P, (1, 2)), "dqk": (4 * F * R, (3, 8)), "g": (4 * F * N, (4, 8)),
+        "dpsiv": (4 * F * P, (1, 2)), "wd": (e * F * F, (4, 8)), "g": (4 * F * N, (5, 8)),
         "rows": (4 * F, (4, 7)), "scal": (4 * 4 * C, (0, 8)), "seg": (4 * C * C, (0, 3)),
-        "cs": (4 * 2 * C * nr, (0, 8)), "qkd": (4 * F * R, (0, 3)), "ang": (4 * F * nr, (4, 8)),
+        "cs": (4 * 2 * C * nr, (0, 8)), "qkd": (4 * F * R, (0, 3)), "ang": (4 * F * nr, (5, 8)),
     }
 
 
@@ -177,7 +186,8 @@ def _scan_program(config: dict, shape: dict):
     tiles_p = P // bp
     tiles = (N // bn) * tiles_p
     half = N // 2
-    dout_shape = (B, S, H, P) if shape["reduceO"] else (B, S, R, H, P)
+    reduceO, hasZ = shape["reduceO"], shape["hasZ"]
+    dout_shape = (B, S, H, P) if reduceO else (B, S, R, H, P)
 
     @T.prim_func
     def scan(Q: T.Tensor((B, S, R, G, N), dtype), Q_BIAS: T.Tensor((H, R, N), F32),
@@ -190,6 +200,20 @@ def _scan_program(config: dict, shape: dict):
             hq = h // (H // G)
             n0 = (tile // tiles_p) * bn
             p0 = (tile % tiles_p) * bp
+            # raw per-chunk inputs, copied (asynchronously when pipelined) ahead of their step
+            q_raw = T.alloc_shared((C, R, N), dtype)       # whole rows: the rotary partner of a column
+            ang_raw = T.alloc_shared((C, nr), F32)          # may lie in another N tile
+            da_raw = T.alloc_shared((C,), F32)
+            do_raw = T.alloc_shared((C, bp) if reduceO else (C, R, bp), dtype)
+            z_raw = T.alloc_shared((C, bp), dtype)
+            st_raw = T.alloc_shared((bn, bp), "bfloat16")
+            # per-head constants and per-step tables
+            qb_s = T.alloc_shared((R, N), F32)
+            mo_s = T.alloc_shared((R, bp), F32)
+            mz_s = T.alloc_shared((R, bp), F32)
+            cos_s = T.alloc_shared((C, nr), F32)
+            sin_s = T.alloc_shared((C, nr), F32)
+            ea_s = T.alloc_shared((C,), F32)
             qh_s = T.alloc_shared((F, bn), dtype)
             dy_s = T.alloc_shared((F, bp), dtype)
             ds_s = T.alloc_shared((bn, bp), dtype)
@@ -197,34 +221,60 @@ def _scan_program(config: dict, shape: dict):
             prod_f = T.alloc_fragment((bn, bp), F32)
             row_f = T.alloc_fragment((bn,), F32)
             one = T.alloc_fragment((1,), F32)
+            T.copy(Q_BIAS[h, :, :], qb_s)
+            T.copy(MIMO_O[h, :, p0:p0 + bp], mo_s)
+            T.copy(MIMO_Z[h, :, p0:p0 + bp], mz_s)
             T.clear(ds_f)
             for it in T.Pipelined(nc, num_stages=stages):
                 c = nc - 1 - it
+                T.copy(Q[b, c * C:(c + 1) * C, :, hq, :], q_raw)
+                T.copy(ANGLES[b, c * C:(c + 1) * C, h, :], ang_raw)
+                T.copy(DA_CS[b, h, c * C:(c + 1) * C], da_raw)
+                if reduceO:
+                    T.copy(DOUT[b, c * C:(c + 1) * C, h, p0:p0 + bp], do_raw)
+                else:
+                    T.copy(DOUT[b, c * C:(c + 1) * C, :, h, p0:p0 + bp], do_raw)
+                if hasZ:
+                    T.copy(Z[b, c * C:(c + 1) * C, h, p0:p0 + bp], z_raw)
+                T.copy(STATES[b, h, c, n0:n0 + bn, p0:p0 + bp], st_raw)
+                # dS_c out (bf16 GEMM operand for the chunk kernel) and its DDA partial from the fp32
+                # dS (a bf16 dS loses the cancellation in sum(S * dS)).
                 T.copy(ds_f, ds_s)
                 T.copy(ds_s, DSTATES[b, h, c, n0:n0 + bn, p0:p0 + bp])
-                # DDA partial from the fp32 dS (a bf16 dS loses the cancellation in sum(S * dS)).
                 for i, j in T.Parallel(bn, bp):
-                    prod_f[i, j] = ds_f[i, j] * T.cast(STATES[b, h, c, n0 + i, p0 + j], F32)
+                    prod_f[i, j] = ds_f[i, j] * T.cast(st_raw[i, j], F32)
                 T.reduce_sum(prod_f, row_f, dim=1)
                 T.reduce_sum(row_f, one, dim=0)
                 T.copy(one, DDA_PART[b, h, c, tile:tile + 1])
+                for t, j in T.Parallel(C, nr):
+                    cos_s[t, j] = T.cos(ang_raw[t, j])
+                    sin_s[t, j] = T.sin(ang_raw[t, j])
+                for t in T.Parallel(C):
+                    ea_s[t] = T.exp(da_raw[t])
                 for f, j in T.Parallel(F, bn):
-                    t = c * C + f // R
+                    t = f // R
                     r = f % R
                     n = n0 + j
                     m = n % half
                     partner = T.if_then_else(n < half, n + half, n - half)
-                    x = T.cast(Q[b, t, r, hq, n], F32) + Q_BIAS[h, r, n]
-                    y = T.cast(Q[b, t, r, hq, partner], F32) + Q_BIAS[h, r, partner]
-                    a = ANGLES[b, t, h, T.min(m, nr - 1)]
+                    x = T.cast(q_raw[t, r, n], F32) + qb_s[r, n]
+                    y = T.cast(q_raw[t, r, partner], F32) + qb_s[r, partner]
                     sgn = T.if_then_else(n < half, -1.0, 1.0)
-                    qh_s[f, j] = T.if_then_else(m < nr, x * T.cos(a) + sgn * y * T.sin(a), x)
+                    mm = T.min(m, nr - 1)
+                    qh_s[f, j] = T.if_then_else(m < nr, x * cos_s[t, mm] + sgn * y * sin_s[t, mm], x)
                 for f, j in T.Parallel(F, bp):
-                    t = c * C + f // R
-                    dy_s[f, j] = _dy_value(DOUT, Z, MIMO_O, MIMO_Z, b, t, f % R, h, p0 + j, shape) \
-                        * T.exp(DA_CS[b, h, t])
+                    t = f // R
+                    r = f % R
+                    if reduceO:
+                        d = T.cast(do_raw[t, j], F32) * mo_s[r, j]
+                    else:
+                        d = T.cast(do_raw[t, r, j], F32)
+                    if hasZ:
+                        zz = T.cast(z_raw[t, j], F32) * mz_s[r, j]
+                        d = d * zz * T.sigmoid(zz)
+                    dy_s[f, j] = d * ea_s[t]
                 for i, j in T.Parallel(bn, bp):
-                    ds_f[i, j] = ds_f[i, j] * T.exp(DA_CS[b, h, c * C + C - 1])
+                    ds_f[i, j] = ds_f[i, j] * T.exp(da_raw[C - 1])
                 T.gemm(qh_s, dy_s, ds_f, transpose_A=True)
 
     return scan
@@ -298,11 +348,11 @@ def _chunk_program(config: dict, shape: dict):
             st_s = T.alloc_shared((N, P), dtype)
             ds_s = T.alloc_shared((N, P), dtype)
             w_s = T.alloc_shared((F, F), dtype)
+            wd_s = T.alloc_shared((F, F), dtype)        # block diagonal: the same-step R x R terms of DK / DQ
             prod_s = T.alloc_shared((F, F), F32 if config["lkq_fp32"] else dtype)
             pv_s = T.alloc_shared((F, R), F32)
             g_s = T.alloc_shared((F, N), F32)
             dpsiv_s = T.alloc_shared((F, P), F32)
-            dqk_s = T.alloc_shared((F, R), F32)
             rows_s = T.alloc_shared((F,), F32)
             ea_s = T.alloc_shared((C,), F32)
             er_s = T.alloc_shared((C,), F32)
@@ -315,16 +365,14 @@ def _chunk_program(config: dict, shape: dict):
             ang_s = T.alloc_shared((F, nr), F32)
             if config["swizzle"]:
                 T.annotate_layout({buf: tilelang.layout.make_swizzled_layout(buf)
-                                   for buf in (qh_s, kh_s, psiv_s, dy_s, st_s, ds_s, w_s)})
+                                   for buf in (qp_s, qh_s, kp_s, kh_s, psiv_s, dy_s, st_s, ds_s, w_s, wd_s)})
 
             acc_fp = T.alloc_fragment((F, P), F32)
             acc_ff = T.alloc_fragment((F, F), F32)
             acc_fn = T.alloc_fragment((F, N), F32)
             tmp_fn = T.alloc_fragment((F, N), F32)
-            tmp_fp = T.alloc_fragment((F, P), F32)
             row_f = T.alloc_fragment((F,), F32)
             c_f = T.alloc_fragment((C,), F32)
-            row_p = T.alloc_fragment((F,), F32)
             one_d = T.alloc_fragment((1,), F32)
             cc_f = T.alloc_fragment((C, C), F32)
             dv_f = T.alloc_fragment((C, P), F32)
@@ -375,18 +423,18 @@ def _chunk_program(config: dict, shape: dict):
                 acc_fp[f, p] = acc_fp[f, p] * er_s[f // R]
             T.gemm(kh_s, qh_s, acc_ff, transpose_B=True, clear_accum=True)      # lkq[s, t]
             T.copy(acc_ff, prod_s)
+            # Masked lkq (earlier steps) and, on the same-step R x R blocks, gamma * QK_DOT^T: one GEMM
+            # with dy instead of an R-deep loop over shared memory per element.
             for i, j in T.Parallel(F, F):
-                w_s[i, j] = acc_ff[i, j] * seg_s[j // R, i // R]
+                w_s[i, j] = T.if_then_else(i // R == j // R, gam_s[i // R] * qkd_s[j, i % R],
+                                           acc_ff[i, j] * seg_s[j // R, i // R])
             T.gemm(w_s, dy_s, acc_fp)
-            for f, p in T.Parallel(F, P):
-                if hasD:
+            if hasD:
+                for f, p in T.Parallel(F, P):
                     acc_fp[f, p] = acc_fp[f, p] + D[h] * T.cast(dy_s[f, p], F32)
-                for o in T.serial(R):
-                    acc_fp[f, p] = acc_fp[f, p] + gam_s[f // R] * qkd_s[(f // R) * R + o, f % R] \
-                        * T.cast(dy_s[(f // R) * R + o, p], F32)
             T.copy(acc_fp, dpsiv_s)
 
-            # ---- DV, DMIMO_V and DD partials
+            # ---- DV and DMIMO_V partials
             T.clear(dv_f)
             for t, p in T.Parallel(C, P):
                 for r in T.serial(R):
@@ -397,12 +445,6 @@ def _chunk_program(config: dict, shape: dict):
                 for t in T.serial(C):
                     dmv_f[r, p] = dmv_f[r, p] + dpsiv_s[t * R + r, p] * T.cast(V[b, t0 + t, h, p], F32)
             T.copy(dmv_f, DMV_PART[b, h, c, :, :])
-            if hasD:
-                for f, p in T.Parallel(F, P):
-                    tmp_fp[f, p] = T.cast(dy_s[f, p], F32) * T.cast(psiv_s[f, p], F32)
-                T.reduce_sum(tmp_fp, row_p, dim=1)
-                T.reduce_sum(row_p, one_d, dim=0)
-                T.copy(one_d, DD_PART[b, h, c:c + 1])
 
             # ---- dkq = PsiV dy^T (row s, column t): DSSDA, the same-step diagonal, masked copy
             T.gemm(psiv_s, dy_s, acc_ff, transpose_B=True, clear_accum=True)
@@ -418,8 +460,14 @@ def _chunk_program(config: dict, shape: dict):
                     for ro in T.serial(R):
                         cc_f[s, t] = cc_f[s, t] + T.cast(prod_s[s * R + ri, t * R + ro], F32)
             T.copy(cc_f, DSSDA[b, h, c, :, :])
-            for f, i in T.Parallel(F, R):
-                dqk_s[f, i] = gam_s[f // R] * pv_s[f, i]
+            for i, j in T.Parallel(F, F):
+                wd_s[i, j] = T.if_then_else(i // R == j // R, gam_s[i // R] * pv_s[j, i % R], 0.0)
+            if hasD:
+                # DD partial: sum over the chunk of PsiV . dy, the diagonal of dkq (pv[f, f % R])
+                for f in T.Parallel(F):
+                    row_f[f] = pv_s[f, f % R]
+                T.reduce_sum(row_f, one_d, dim=0)
+                T.copy(one_d, DD_PART[b, h, c:c + 1])
             T.clear(c_f)
             for t in T.Parallel(C):
                 for o in T.serial(R):
@@ -449,8 +497,7 @@ def _chunk_program(config: dict, shape: dict):
             _per_step_row_sum(acc_fn, row_f, rows_s, c_f, DFACTOR[b, h, t0:t0 + C])
             for f, n in T.Parallel(F, N):
                 acc_fn[f, n] = fac_s[f // R] * tmp_fn[f, n]
-                for o in T.serial(R):
-                    acc_fn[f, n] = acc_fn[f, n] + dqk_s[(f // R) * R + o, f % R] * T.cast(qp_s[(f // R) * R + o, n], F32)
+            T.gemm(wd_s, qp_s, acc_fn)                                           # same-step terms
             T.copy(acc_fn, DK[b, c * F:(c + 1) * F, h, :])
 
             # ---- dq_hat = exp(DA_CS) dy S_c^T + masked dkq^T k_hat; DDA_CS, DQ, DANGLES
@@ -476,8 +523,7 @@ def _chunk_program(config: dict, shape: dict):
                 cs = cos_s[f // R, T.min(m, nr - 1)]
                 sn = sin_s[f // R, T.min(m, nr - 1)]
                 acc_fn[f, n] = T.if_then_else(m < nr, g_s[f, n] * cs + sgn * g_s[f, partner] * sn, g_s[f, n])
-                for i in T.serial(R):
-                    acc_fn[f, n] = acc_fn[f, n] + dqk_s[f, i] * T.cast(kp_s[(f // R) * R + i, n], F32)
+            T.gemm(wd_s, kp_s, acc_fn, transpose_A=True)                         # same-step terms
             T.copy(acc_fn, DQ[b, c * F:(c + 1) * F, h, :])
 
     return chunk
