@@ -16,9 +16,10 @@ every dS_c is known, each chunk's work (about ten GEMMs and all the elementwise 
 2. ``chunk``: grid (nc, H, B), one CTA per chunk: all outputs except the cross-chunk sums, plus
    per-chunk partials of DMIMO_V [B,H,nc,R,P] and DD [B,H,nc] (workspaces). The same-step R x R terms
    (QK_DOT into dPsiV, dqk into DK and DQ) ride in block-diagonal F x F operands of tensor-core GEMMs
-   rather than R-deep loops over shared memory per element (the kernel was bound by shared-memory
-   traffic: L1 72% busy at 12.5% occupancy, ncu, H100, 2026-11-22), and DD is the trace of
-   PsiV dy^T, which the dkq GEMM already holds.
+   rather than R-deep loops over shared memory per element, and DD is the trace of PsiV dy^T, which
+   the dkq GEMM already holds (H100, 2026-11-22, training shape: 4.05 -> 3.89 ms for this kernel; it
+   runs one 256-thread CTA per SM, 12.5% occupancy, limited by both registers and shared memory,
+   which is what ``lean_smem`` and ``min_blocks`` address).
 3. ``reduce``: grid (H, B): DMIMO_V and DD summed over chunks, DDA over scan tiles (deterministic,
    no atomics).
 
@@ -27,12 +28,20 @@ elementwise math and every partial in fp32.
 
 Tunables:
   threads             threads of the chunk kernel (128 / 256 / 512)
-  scan_threads        threads of the scan kernel (128 / 256)
-  scan_block_N/P      dS tile of one scan CTA (divides N / P)
+  min_blocks          CTAs per SM the chunk kernel is compiled for (__launch_bounds__: 2 caps registers
+                      at 65536 / (2 threads)); two are resident only if the shared memory fits too
+  scan_threads        threads of the scan kernel (128 / 256 / 512)
+  scan_block_N/P      dS tile of one scan CTA (divides N / P). Smaller tiles give more CTAs (what
+                      B*H = 32 needs) but recompute q_hat per P tile and dy per N tile; at B*H >= the
+                      SM count one tile per (batch, head) does the least work per serial step
   scan_stages         T.Pipelined stages of the scan's chunk loop (0: no software pipelining)
   lkq_fp32            keep k_hat.q_hat (F x F, needed again for DSSDA) in fp32 shared memory; False
                       stores it in the input dtype as upstream does (half the bytes: 8 KiB at
                       C*R = 64, what brings the N = P = 64 chunk kernel under GB10's 99 KiB)
+  lean_smem           structural: stage dPsiV in the input dtype and recompute k_hat.q_hat for DSSDA
+                      (one more F x F x N GEMM) instead of keeping it across the dPsiV steps; the
+                      peak falls by F*P*2 + F*F*e bytes (24 KiB at the training shape), which lets
+                      two CTAs share an H100 SM there
   swizzle             swizzled layouts for the chunk kernel's GEMM operand tiles
   tma                 False sets tl.disable_tma_lower
   warp_specialized    False sets tl.disable_warp_specialized
@@ -52,11 +61,11 @@ from kernels.tilelang import _common as tl
 
 DSL = "tilelang"
 KERNEL = "mamba_bwd_bwd"
-TUNABLES = ("threads", "scan_threads", "scan_block_N", "scan_block_P", "scan_stages", "lkq_fp32", "swizzle",
-            "tma", "warp_specialized", "fast_math", "aggressive_smem_merge")
-DEFAULTS = {"threads": 256, "scan_threads": 128, "scan_block_N": 64, "scan_block_P": 32, "scan_stages": 0,
-            "lkq_fp32": False, "swizzle": True, "tma": False, "warp_specialized": False, "fast_math": True,
-            "aggressive_smem_merge": True}
+TUNABLES = ("threads", "min_blocks", "scan_threads", "scan_block_N", "scan_block_P", "scan_stages", "lkq_fp32",
+            "lean_smem", "swizzle", "tma", "warp_specialized", "fast_math", "aggressive_smem_merge")
+DEFAULTS = {"threads": 256, "min_blocks": 1, "scan_threads": 128, "scan_block_N": 64, "scan_block_P": 32,
+            "scan_stages": 2, "lkq_fp32": False, "lean_smem": False, "swizzle": True, "tma": False,
+            "warp_specialized": False, "fast_math": True, "aggressive_smem_merge": True}
 TARGETS = tl.TARGETS
 DTYPES = ("float16", "bfloat16")
 F32 = "float32"
@@ -69,15 +78,17 @@ def config_reason(config: dict, shape: dict) -> str | None:
         return f"dtype {shape['dtype']} not supported (have {', '.join(DTYPES)})"
     if c["threads"] not in (128, 256, 512):
         return f"threads={c['threads']} must be 128, 256 or 512"
-    if c["scan_threads"] not in (128, 256):
-        return f"scan_threads={c['scan_threads']} must be 128 or 256"
+    if c["min_blocks"] not in (1, 2):
+        return f"min_blocks={c['min_blocks']} must be 1 or 2"
+    if c["scan_threads"] not in (128, 256, 512):
+        return f"scan_threads={c['scan_threads']} must be 128, 256 or 512"
     if not isinstance(c["scan_stages"], int) or not 0 <= c["scan_stages"] <= 3:
         return f"scan_stages={c['scan_stages']} must be in 0..3"
     for key, dim in (("scan_block_N", "N"), ("scan_block_P", "P")):
         v = c[key]
         if not isinstance(v, int) or v < 16 or shape[dim] % v:
             return f"{key}={v} must be >= 16 and divide {dim}={shape[dim]}"
-    for key in ("lkq_fp32", "swizzle", "tma", "warp_specialized", "fast_math", "aggressive_smem_merge"):
+    for key in ("lkq_fp32", "lean_smem", "swizzle", "tma", "warp_specialized", "fast_math", "aggressive_smem_merge"):
         if not isinstance(c[key], bool):
             return f"{key}={c[key]!r} must be true or false"
     F = shape["C"] * shape["R"]
@@ -139,12 +150,13 @@ def _buffers(config: dict, shape: dict) -> dict:
     C, R, N, P = shape["C"], shape["R"], shape["N"], shape["P"]
     F, nr = C * R, N // shape["rd"]
     e = 2
+    lean = config["lean_smem"]
     return {
         "qp": (e * F * N, (0, 8)), "qh": (e * F * N, (0, 7)), "kp": (e * F * N, (0, 8)),
         "kh": (e * F * N, (0, 7)), "psiv": (e * F * P, (0, 4)), "dy": (e * F * P, (0, 7)),
         "ds": (e * N * P, (0, 4)), "st": (e * N * P, (7, 7)), "w": (e * F * F, (1, 7)),
-        "prod": ((4 if config["lkq_fp32"] else e) * F * F, (1, 3)), "pv": (4 * F * R, (3, 3)),
-        "dpsiv": (4 * F * P, (1, 2)), "wd": (e * F * F, (4, 8)), "g": (4 * F * N, (5, 8)),
+        "prod": ((4 if config["lkq_fp32"] else e) * F * F, (3, 3) if lean else (1, 3)), "pv": (4 * F * R, (3, 3)),
+        "dpsiv": ((e if lean else 4) * F * P, (1, 2)), "wd": (e * F * F, (4, 8)), "g": (4 * F * N, (5, 8)),
         "rows": (4 * F, (4, 7)), "scal": (4 * 4 * C, (0, 8)), "seg": (4 * C * C, (0, 3)),
         "cs": (4 * 2 * C * nr, (0, 8)), "qkd": (4 * F * R, (0, 3)), "ang": (4 * F * nr, (5, 8)),
     }
@@ -316,6 +328,7 @@ def _chunk_program(config: dict, shape: dict):
     B, S, H, G, N, P, R, C, nc, nr, F = _dims(shape)
     dtype = shape["dtype"]
     threads = config["threads"]
+    lean = config["lean_smem"]
     half = N // 2
     hasD, hasZ = shape["hasD"], shape["hasZ"]
     dout_shape = (B, S, H, P) if shape["reduceO"] else (B, S, R, H, P)
@@ -337,6 +350,8 @@ def _chunk_program(config: dict, shape: dict):
               DSSDA: T.Tensor((B, H, nc, C, C), F32), DMV_PART: T.Tensor((B, H, nc, R, P), F32),
               DD_PART: T.Tensor((B, H, nc), F32)):
         with T.Kernel(nc, H, B, threads=threads) as (c, h, b):
+            if config["min_blocks"] > 1:
+                T.annotate_min_blocks_per_sm(config["min_blocks"])
             hq = h // (H // G)
             t0 = c * C
             qp_s = T.alloc_shared((F, N), dtype)
@@ -352,7 +367,7 @@ def _chunk_program(config: dict, shape: dict):
             prod_s = T.alloc_shared((F, F), F32 if config["lkq_fp32"] else dtype)
             pv_s = T.alloc_shared((F, R), F32)
             g_s = T.alloc_shared((F, N), F32)
-            dpsiv_s = T.alloc_shared((F, P), F32)
+            dpsiv_s = T.alloc_shared((F, P), dtype if lean else F32)
             rows_s = T.alloc_shared((F,), F32)
             ea_s = T.alloc_shared((C,), F32)
             er_s = T.alloc_shared((C,), F32)
@@ -369,6 +384,8 @@ def _chunk_program(config: dict, shape: dict):
 
             acc_fp = T.alloc_fragment((F, P), F32)
             acc_ff = T.alloc_fragment((F, F), F32)
+            if lean:
+                lkq_f = T.alloc_fragment((F, F), F32)
             acc_fn = T.alloc_fragment((F, N), F32)
             tmp_fn = T.alloc_fragment((F, N), F32)
             row_f = T.alloc_fragment((F,), F32)
@@ -422,7 +439,8 @@ def _chunk_program(config: dict, shape: dict):
             for f, p in T.Parallel(F, P):
                 acc_fp[f, p] = acc_fp[f, p] * er_s[f // R]
             T.gemm(kh_s, qh_s, acc_ff, transpose_B=True, clear_accum=True)      # lkq[s, t]
-            T.copy(acc_ff, prod_s)
+            if not lean:
+                T.copy(acc_ff, prod_s)
             # Masked lkq (earlier steps) and, on the same-step R x R blocks, gamma * QK_DOT^T: one GEMM
             # with dy instead of an R-deep loop over shared memory per element.
             for i, j in T.Parallel(F, F):
@@ -448,8 +466,13 @@ def _chunk_program(config: dict, shape: dict):
 
             # ---- dkq = PsiV dy^T (row s, column t): DSSDA, the same-step diagonal, masked copy
             T.gemm(psiv_s, dy_s, acc_ff, transpose_B=True, clear_accum=True)
+            if lean:
+                T.gemm(kh_s, qh_s, lkq_f, transpose_B=True, clear_accum=True)     # lkq again, not kept
             for i, j in T.Parallel(F, F):
-                prod_s[i, j] = T.cast(prod_s[i, j], F32) * acc_ff[i, j]
+                if lean:
+                    prod_s[i, j] = lkq_f[i, j] * acc_ff[i, j]
+                else:
+                    prod_s[i, j] = T.cast(prod_s[i, j], F32) * acc_ff[i, j]
                 w_s[i, j] = acc_ff[i, j] * seg_s[j // R, i // R]
                 if i // R == j // R:
                     # same-step block: pv[t, o, i'] = dy_{t,o} . PsiV_{t,i'} = dkq[t*R + i', t*R + o]
