@@ -1,0 +1,220 @@
+"""Triton pieces shared by the M2RNN forward and backward lanes: tanh, one recurrence step, the
+forward kernel (which also writes the backward's checkpoints), and the lane plumbing.
+
+Layout of a program: one (batch row, value head) and a BLOCK_K-row slab of the K x V state, which
+stays in registers (fp32) for the whole sequence: rows of H evolve independently (W multiplies from
+the right, f is a scalar), so the forward may split K across programs; y then needs a sum over slabs.
+Per step: one (BLOCK_K x V) @ (V x V) tensor-core product with H rounded to the input dtype (fp32
+inputs: IEEE fp32 product), the rank-1 k v^T, tanh, the gate.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+TARGETS = ("sm_80", "sm_90a", "sm_100a", "sm_120a", "sm_121a")
+DTYPES = ("float32", "bfloat16")
+_TL_NAME = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def tanh(x, FAST: tl.constexpr):
+    if FAST:
+        # tanh.approx.f32 (sm_75+): one MUFU op, ~2^-11 relative error.
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        e = tl.exp(-2.0 * tl.abs(x))
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def step(h, Wt, kt, vt, ft, IEEE: tl.constexpr, FAST: tl.constexpr):
+    """One recurrence step on an fp32 state slab h [BK, BV]; returns (Z_t, H_t)."""
+    if IEEE:
+        a = tl.dot(h, Wt, input_precision="ieee")
+    else:
+        a = tl.dot(h.to(Wt.dtype), Wt)
+    z = tanh(a + kt[:, None] * vt[None, :], FAST)
+    return z, ft * h + (1.0 - ft) * z
+
+
+@triton.jit
+def m2rnn_forward(q, k, v, W, f, h0, y, h_out, ckpt,
+                  S, NQ, NK, NF, NW, NSEG,
+                  N: tl.constexpr, KSPLIT: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                  HAS_H0: tl.constexpr, WRITE_Y: tl.constexpr, CKPT: tl.constexpr,
+                  IEEE: tl.constexpr, FAST: tl.constexpr):
+    """Forward over all S steps. WRITE_Y: y (fp32 partial per K slab when KSPLIT > 1, else the output)
+    and the final state; CKPT > 0: the state before every CKPT-th step into ckpt [B, N, NSEG, K, V]."""
+    bn = tl.program_id(0)
+    ks = tl.program_id(1)
+    b = bn // N
+    n = bn % N
+    rk = ks * BK + tl.arange(0, BK)
+    rv = tl.arange(0, BV)
+    mk = rk < K
+    mv = rv < V
+    mkv = mk[:, None] & mv[None, :]
+    Wt = tl.load(W + (n // (N // NW)) * V * V + rv[:, None] * V + rv[None, :], mask=mv[:, None] & mv[None, :],
+                 other=0.0)
+    state = (b * N + n) * K * V + rk[:, None] * V + rv[None, :]
+    if HAS_H0:
+        h = tl.load(h0 + state, mask=mkv, other=0.0).to(tl.float32)
+    else:
+        h = tl.zeros((BK, BV), dtype=tl.float32)
+    q_row = q + (b * S * NQ + n // (N // NQ)) * K + rk
+    k_row = k + (b * S * NK + n // (N // NK)) * K + rk
+    v_row = v + (b * S * N + n) * V + rv
+    f_row = f + b * S * NF + n // (N // NF)
+    y_row = y + ((ks * (tl.num_programs(0) // N) + b) * S * N + n) * V + rv    # [KSPLIT, B, S, N, V]
+    for t in range(S):
+        if CKPT > 0:
+            if t % CKPT == 0:
+                tl.store(ckpt + ((b * N + n) * NSEG + t // CKPT) * K * V + rk[:, None] * V + rv[None, :], h,
+                         mask=mkv)
+        kt = tl.load(k_row + t * NK * K, mask=mk, other=0.0).to(tl.float32)
+        vt = tl.load(v_row + t * N * V, mask=mv, other=0.0).to(tl.float32)
+        ft = tl.load(f_row + t * NF).to(tl.float32)
+        z, h = step(h, Wt, kt, vt, ft, IEEE, FAST)
+        if WRITE_Y:
+            qt = tl.load(q_row + t * NQ * K, mask=mk, other=0.0).to(tl.float32)
+            yt = tl.sum(h * qt[:, None], axis=0)
+            tl.store(y_row + t * N * V, yt.to(y.dtype.element_ty), mask=mv)
+    if WRITE_Y:
+        tl.store(h_out + state, h.to(h_out.dtype.element_ty), mask=mkv)
+
+
+def block(n: int) -> int:
+    """Power-of-two tile >= 16 covering n (tl.dot needs 16 on each side)."""
+    return max(16, triton.next_power_of_2(n))
+
+
+def fast_tanh(config: dict) -> bool:
+    """The inline-PTX tanh cannot run in the interpreter: there the exact formula stands in (CPU tests)."""
+    return bool(config["FAST_TANH"]) and not interpreting()
+
+
+def cc(target: str) -> int:
+    return int(target.removeprefix("sm_").rstrip("a"))
+
+
+def aot(fn, sig: dict, consts: dict, target: str, num_warps: int) -> dict:
+    """Ahead-of-time compile for ``target`` (no GPU): shared memory and registers of the cubin."""
+    from triton.backends.compiler import GPUTarget
+    sig = {**sig, **{k: "constexpr" for k in consts}}
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
+    t0 = time.perf_counter()
+    kernel = triton.compile(src, target=GPUTarget("cuda", cc(target), 32), options={"num_warps": num_warps})
+    return {"smem_bytes": int(kernel.metadata.shared), "registers": getattr(kernel, "n_regs", None),
+            "compile_s": time.perf_counter() - t0, "binary": "cubin"}
+
+
+def forward_signature(shape: dict, y_fp32: bool) -> dict:
+    t = f"*{_TL_NAME[shape['dtype']]}"
+    return {"q": t, "k": t, "v": t, "W": t, "f": t, "h0": t, "y": "*fp32" if y_fp32 else t, "h_out": t,
+            "ckpt": "*fp32", "S": "i32", "NQ": "i32", "NK": "i32", "NF": "i32", "NW": "i32", "NSEG": "i32"}
+
+
+def launch_info(kernel) -> dict:
+    meta = getattr(kernel, "metadata", None)
+    if meta is None:  # the interpreter returns no compiled kernel
+        return {}
+    return {"smem_bytes": int(meta.shared), "registers": getattr(kernel, "n_regs", None),
+            "spills": getattr(kernel, "n_spills", None)}
+
+
+def versions() -> dict:
+    return {"triton": triton.__version__, "torch": torch.__version__}
+
+
+@triton.jit
+def m2rnn_backward(q, k, v, W, f, dy, dh_final, ckpt, scratch, dq, dk, dv, df, dW, dh0,
+                   S, NQ, NK, NF, NW, NSEG,
+                   N: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   CKPT: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr):
+    """Backprop through time for one (batch row, value head), whole K. Segments of CKPT steps are
+    walked last to first: the segment's states are recomputed from its checkpoint into ``scratch``
+    [B*N, CKPT, K, V] (fp32), then read back in reverse. Per-value-head gradients go to fp32 buffers
+    dq, dk [B, S, N, K], dv [B, S, N, V], df [B, S, N], dW [B, N, V, V], dh0 [B, N, K, V]; the lane
+    sums shared heads afterwards."""
+    bn = tl.program_id(0)
+    b = bn // N
+    n = bn % N
+    rk = tl.arange(0, BK)
+    rv = tl.arange(0, BV)
+    mk = rk < K
+    mv = rv < V
+    mkv = mk[:, None] & mv[None, :]
+    tile = rk[:, None] * V + rv[None, :]
+    Wt = tl.load(W + (n // (N // NW)) * V * V + rv[:, None] * V + rv[None, :], mask=mv[:, None] & mv[None, :],
+                 other=0.0)
+    WT = tl.trans(Wt)
+    dH = tl.load(dh_final + bn * K * V + tile, mask=mkv, other=0.0).to(tl.float32)
+    dW_acc = tl.zeros((BV, BV), dtype=tl.float32)
+    q_row = q + (b * S * NQ + n // (N // NQ)) * K + rk
+    k_row = k + (b * S * NK + n // (N // NK)) * K + rk
+    v_row = v + (b * S * N + n) * V + rv
+    f_row = f + b * S * NF + n // (N // NF)
+    dy_row = dy + (b * S * N + n) * V + rv
+    g_k = (b * S * N + n) * K + rk
+    g_v = (b * S * N + n) * V + rv
+    g_f = b * S * N + n
+    scr = scratch + bn * CKPT * K * V + tile
+    for jj in range(NSEG):
+        j = NSEG - 1 - jj
+        t0 = j * CKPT
+        L = tl.minimum(CKPT, S - t0)
+        h = tl.load(ckpt + (bn * NSEG + j) * K * V + tile, mask=mkv, other=0.0)
+        tl.debug_barrier()                   # the previous segment's reads of scratch are done
+        tl.store(scr, h, mask=mkv)
+        for i in range(1, L):
+            t = t0 + i - 1
+            kt = tl.load(k_row + t * NK * K, mask=mk, other=0.0).to(tl.float32)
+            vt = tl.load(v_row + t * N * V, mask=mv, other=0.0).to(tl.float32)
+            ft = tl.load(f_row + t * NF).to(tl.float32)
+            z, h = step(h, Wt, kt, vt, ft, IEEE, FAST)
+            tl.store(scr + i * K * V, h, mask=mkv)
+        tl.debug_barrier()                   # scratch written by all threads before it is read back
+        for ii in range(L):
+            i = L - 1 - ii
+            t = t0 + i
+            h_prev = tl.load(scr + i * K * V, mask=mkv, other=0.0)
+            kt = tl.load(k_row + t * NK * K, mask=mk, other=0.0).to(tl.float32)
+            vt = tl.load(v_row + t * N * V, mask=mv, other=0.0).to(tl.float32)
+            qt = tl.load(q_row + t * NQ * K, mask=mk, other=0.0).to(tl.float32)
+            dyt = tl.load(dy_row + t * N * V, mask=mv, other=0.0).to(tl.float32)
+            ft = tl.load(f_row + t * NF).to(tl.float32)
+            z, h_t = step(h_prev, Wt, kt, vt, ft, IEEE, FAST)
+            tl.store(dq + g_k + t * N * K, tl.sum(h_t * dyt[None, :], axis=1), mask=mk)
+            G = dH + qt[:, None] * dyt[None, :]
+            tl.store(df + g_f + t * N, tl.sum(tl.sum(G * (h_prev - z), axis=1), axis=0))
+            dX = (1.0 - ft) * G * (1.0 - z * z)
+            if IEEE:
+                dW_acc += tl.dot(tl.trans(h_prev), dX, input_precision="ieee")
+                dXW = tl.dot(dX, WT, input_precision="ieee")
+            else:
+                dW_acc += tl.dot(tl.trans(h_prev.to(Wt.dtype)), dX.to(Wt.dtype))
+                dXW = tl.dot(dX.to(Wt.dtype), WT)
+            tl.store(dk + g_k + t * N * K, tl.sum(dX * vt[None, :], axis=1), mask=mk)
+            tl.store(dv + g_v + t * N * V, tl.sum(dX * kt[:, None], axis=0), mask=mv)
+            dH = ft * G + dXW
+    tl.store(dW + bn * V * V + rv[:, None] * V + rv[None, :], dW_acc, mask=mv[:, None] & mv[None, :])
+    tl.store(dh0 + bn * K * V + tile, dH, mask=mkv)
+
+
+def backward_signature(shape: dict) -> dict:
+    t = f"*{_TL_NAME[shape['dtype']]}"
+    sig = {name: t for name in ("q", "k", "v", "W", "f", "dy", "dh_final")}
+    sig.update({name: "*fp32" for name in ("ckpt", "scratch", "dq", "dk", "dv", "df", "dW", "dh0")})
+    sig.update({"S": "i32", "NQ": "i32", "NK": "i32", "NF": "i32", "NW": "i32", "NSEG": "i32"})
+    return sig

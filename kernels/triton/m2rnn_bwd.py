@@ -1,0 +1,115 @@
+"""Triton lane for m2rnn_bwd: a forward pass that keeps the state every CKPT steps (fp32 checkpoints),
+then one program per (batch row, value head) walking the segments last to first: recompute the
+segment's states into a scratch buffer, backprop through them (kernels in kernels/triton/_m2rnn.py).
+Per-value-head gradients land in fp32 buffers; shared q / k / W / f heads (and dW over batch) are
+summed by torch afterwards.
+
+Tunables:
+  num_warps   warps per program
+  CKPT        checkpoint interval T: memory B*N*(S/T)*K*V*4 + scratch B*N*T*K*V*4 bytes, and the
+              forward is recomputed once either way; small T: more checkpoint traffic, large T: the
+              scratch falls out of L2
+  FAST_TANH   tanh.approx.f32 (inline PTX); the exact formula under TRITON_INTERPRET
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.triton import _m2rnn as m2k
+from lab.problems import _m2rnn as m2
+
+DSL = "triton"
+KERNEL = "m2rnn_bwd"
+TUNABLES = ("num_warps", "CKPT", "FAST_TANH")
+DEFAULTS = {"num_warps": 4, "CKPT": 64, "FAST_TANH": True}
+TARGETS = m2k.TARGETS
+
+
+def config_reason(config: dict, shape: dict) -> str | None:
+    if shape["dtype"] not in m2k.DTYPES:
+        return f"dtype {shape['dtype']} not supported (have {', '.join(m2k.DTYPES)})"
+    if config["num_warps"] not in (1, 2, 4, 8):
+        return f"num_warps={config['num_warps']} must be 1, 2, 4 or 8"
+    if not isinstance(config["CKPT"], int) or config["CKPT"] < 1:
+        return f"CKPT={config['CKPT']} must be a positive integer"
+    if not isinstance(config["FAST_TANH"], bool):
+        return "FAST_TANH must be true or false"
+    return None
+
+
+def eligibility(target: str) -> str | None:
+    return None if target in TARGETS else f"no Triton path for {target} (have {', '.join(TARGETS)})"
+
+
+def target_reason(config: dict, target: str) -> str | None:
+    return None
+
+
+def smem_estimate(config: dict, shape: dict, target: str) -> int:
+    """Shared memory per program of the backward kernel, bytes: operands of its three products
+    (H W, H^T dX, dX W^T) in the dot's input dtype. An approximation (Triton 3.6 AOT: 6,656 B on
+    sm_90a and 7,168 B on sm_121a against 5,120 B at b8_n84; 3% low at fp32 K = V = 64): far below
+    every limit here, and the compiled figure decides."""
+    e = 4 if shape["dtype"] == "float32" else 2
+    bk, bv = m2k.block(shape["K"]), m2k.block(shape["V"])
+    return e * (2 * bv * bv + 2 * bk * bv)
+
+
+def _consts(config: dict, shape: dict, fast: bool) -> dict:
+    return {"N": shape["N"], "K": shape["K"], "V": shape["V"], "BK": m2k.block(shape["K"]),
+            "BV": m2k.block(shape["V"]), "CKPT": config["CKPT"], "IEEE": shape["dtype"] == "float32",
+            "FAST": fast}
+
+
+def _fwd_consts(config: dict, shape: dict, fast: bool) -> dict:
+    c = _consts(config, shape, fast)
+    return {"N": c["N"], "KSPLIT": 1, "K": c["K"], "V": c["V"], "BK": c["BK"], "BV": c["BV"],
+            "HAS_H0": shape["h0"], "WRITE_Y": False, "CKPT": c["CKPT"], "IEEE": c["IEEE"], "FAST": fast}
+
+
+def compile_for(config: dict, shape: dict, target: str) -> dict:
+    """Both kernels for ``target``; smem_bytes / registers are the larger of the two."""
+    fast = bool(config["FAST_TANH"])
+    fwd = m2k.aot(m2k.m2rnn_forward, m2k.forward_signature(shape, True), _fwd_consts(config, shape, fast),
+                  target, config["num_warps"])
+    bwd = m2k.aot(m2k.m2rnn_backward, m2k.backward_signature(shape), _consts(config, shape, fast), target,
+                  config["num_warps"])
+    return {"smem_bytes": max(fwd["smem_bytes"], bwd["smem_bytes"]),
+            "registers": max(fwd["registers"] or 0, bwd["registers"] or 0) or None,
+            "compile_s": fwd["compile_s"] + bwd["compile_s"], "binary": "cubin",
+            "kernels": {"forward": fwd, "backward": bwd}}
+
+
+def build(config: dict, shape: dict):
+    fast = m2k.fast_tanh(config)
+    consts, fconsts = _consts(config, shape, fast), _fwd_consts(config, shape, fast)
+    B, S, N, K, V, T = shape["B"], shape["S"], shape["N"], shape["K"], shape["V"], config["CKPT"]
+    nseg = -(-S // T)
+    heads = (shape["Nq"], shape["Nk"], shape["Nf"], shape["Nw"])
+    work: dict = {}
+
+    def run(inputs, outputs):
+        i, o = inputs, outputs
+        dev = i["v"].device
+        if work.get("dev") != dev:
+            f32 = {"dtype": torch.float32, "device": dev}
+            work.update(dev=dev, ckpt=torch.empty(B, N, nseg, K, V, **f32), scratch=torch.empty(B * N, T, K, V, **f32),
+                        dq=torch.empty(B, S, N, K, **f32), dk=torch.empty(B, S, N, K, **f32),
+                        dv=torch.empty(B, S, N, V, **f32), df=torch.empty(B, S, N, **f32),
+                        dW=torch.empty(B, N, V, V, **f32), dh0=torch.empty(B, N, K, V, **f32))
+        w = work
+        h0 = i.get("h0", i["dh_final"])   # unused pointer when there is no h0
+        m2k.m2rnn_forward[(B * N, 1)](i["q"], i["k"], i["v"], i["W"], i["f"], h0, w["ckpt"], i["dh_final"], w["ckpt"],
+                                      S, *heads, nseg, num_warps=config["num_warps"], **fconsts)
+        kern = m2k.m2rnn_backward[(B * N,)](i["q"], i["k"], i["v"], i["W"], i["f"], i["dy"], i["dh_final"],
+                                           w["ckpt"], w["scratch"], w["dq"], w["dk"], w["dv"], w["df"], w["dW"],
+                                           w["dh0"], S, *heads, nseg, num_warps=config["num_warps"], **consts)
+        grads = m2.reduce_heads({n: w[n] for n in ("dq", "dk", "dv", "dW", "df", "dh0")}, shape)
+        for name, value in grads.items():
+            o[name].copy_(value)
+        return m2k.launch_info(kern)
+    return run
+
+
+def versions() -> dict:
+    return m2k.versions()

@@ -1,0 +1,95 @@
+"""Triton lane for m2rnn_fwd: one program per (batch row, value head, K slab), the state in registers
+for all S steps (kernel in kernels/triton/_m2rnn.py).
+
+Tunables:
+  num_warps   warps per program (the step is a 64 x 16 x 16 product: few warps, short chain)
+  K_SPLIT     K slabs per (b, n): more programs (B*N*K_SPLIT) and a shorter per-step product, at the
+              cost of an fp32 y partial per slab summed afterwards (one more pass over y)
+  FAST_TANH   tanh.approx.f32 (inline PTX) instead of the exp-based formula; under TRITON_INTERPRET the
+              formula always runs (the interpreter has no PTX)
+num_stages is not a tunable: the loop carries the state, so there is nothing to pipeline (upstream's
+autotuning found it irrelevant too).
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.triton import _m2rnn as m2k
+
+DSL = "triton"
+KERNEL = "m2rnn_fwd"
+TUNABLES = ("num_warps", "K_SPLIT", "FAST_TANH")
+DEFAULTS = {"num_warps": 4, "K_SPLIT": 1, "FAST_TANH": True}
+TARGETS = m2k.TARGETS
+
+
+def config_reason(config: dict, shape: dict) -> str | None:
+    if shape["dtype"] not in m2k.DTYPES:
+        return f"dtype {shape['dtype']} not supported (have {', '.join(m2k.DTYPES)})"
+    if config["num_warps"] not in (1, 2, 4, 8):
+        return f"num_warps={config['num_warps']} must be 1, 2, 4 or 8"
+    ks = config["K_SPLIT"]
+    if ks not in (1, 2, 4) or m2k.block(-(-shape["K"] // ks)) * ks > m2k.block(shape["K"]):
+        return f"K_SPLIT={ks} must be 1, 2 or 4 with K/K_SPLIT >= 16 (K={shape['K']})"
+    if not isinstance(config["FAST_TANH"], bool):
+        return "FAST_TANH must be true or false"
+    return None
+
+
+def eligibility(target: str) -> str | None:
+    return None if target in TARGETS else f"no Triton path for {target} (have {', '.join(TARGETS)})"
+
+
+def target_reason(config: dict, target: str) -> str | None:
+    return None
+
+
+def smem_estimate(config: dict, shape: dict, target: str) -> int:
+    """Shared memory per program, bytes: the V x V W operand and the BLOCK_K x V state operand of the
+    per-step product, in the dot's input dtype (Triton stages both through shared memory). Checked
+    against Triton 3.6 AOT compiles: exact at fp32 K = V = 64 and at the ragged bf16 shape, 25% high
+    at b8_n84 (2,048 B compiled): a pre-filter, the compiled figure decides."""
+    e = 4 if shape["dtype"] == "float32" else 2
+    bv = m2k.block(shape["V"])
+    return e * (bv * bv + _bk(config, shape) * bv)
+
+
+def _bk(config: dict, shape: dict) -> int:
+    return m2k.block(-(-shape["K"] // config["K_SPLIT"]))
+
+
+def _consts(config: dict, shape: dict, fast: bool) -> dict:
+    return {"N": shape["N"], "KSPLIT": config["K_SPLIT"], "K": shape["K"], "V": shape["V"],
+            "BK": _bk(config, shape), "BV": m2k.block(shape["V"]), "HAS_H0": shape["h0"], "WRITE_Y": True,
+            "CKPT": 0, "IEEE": shape["dtype"] == "float32", "FAST": fast}
+
+
+def compile_for(config: dict, shape: dict, target: str) -> dict:
+    return m2k.aot(m2k.m2rnn_forward, m2k.forward_signature(shape, config["K_SPLIT"] > 1),
+                   _consts(config, shape, bool(config["FAST_TANH"])), target, config["num_warps"])
+
+
+def build(config: dict, shape: dict):
+    consts = _consts(config, shape, m2k.fast_tanh(config))
+    B, S, N, ks = shape["B"], shape["S"], shape["N"], config["K_SPLIT"]
+    grid = (B * N, ks)
+    parts: dict = {}
+
+    def run(inputs, outputs):
+        i, o = inputs, outputs
+        dev = i["v"].device
+        if ks > 1 and parts.get("dev") != dev:
+            parts.update(dev=dev, y=torch.empty(ks, B, S, N, shape["V"], dtype=torch.float32, device=dev))
+        y = parts["y"] if ks > 1 else o["y"]
+        h0 = i.get("h0", o["h_final"])   # unused pointer when there is no h0
+        kern = m2k.m2rnn_forward[grid](i["q"], i["k"], i["v"], i["W"], i["f"], h0, y, o["h_final"], y,
+                                       S, shape["Nq"], shape["Nk"], shape["Nf"], shape["Nw"], 1,
+                                       num_warps=config["num_warps"], **consts)
+        if ks > 1:
+            torch.sum(y, 0, out=o["y"]) if o["y"].dtype == torch.float32 else o["y"].copy_(y.sum(0))
+        return m2k.launch_info(kern)
+    return run
+
+
+def versions() -> dict:
+    return m2k.versions()
