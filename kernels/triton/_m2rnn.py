@@ -38,12 +38,23 @@ def tanh(x, FAST: tl.constexpr):
 
 
 @triton.jit
-def step(h, Wt, kt, vt, ft, IEEE: tl.constexpr, FAST: tl.constexpr):
-    """One recurrence step on an fp32 state slab h [BK, BV]; returns (Z_t, H_t)."""
-    if IEEE:
-        a = tl.dot(h, Wt, input_precision="ieee")
+def mm(a, b, DOT: tl.constexpr):
+    """fp32 a @ b with operands as DOT says: 0 rounded to b's dtype (upstream's choice), 1 tf32,
+    2 three tf32 products (about fp32 accuracy), 3 IEEE fp32."""
+    if DOT == 0:
+        return tl.dot(a.to(b.dtype), b)
+    elif DOT == 1:
+        return tl.dot(a, b.to(tl.float32), input_precision="tf32")
+    elif DOT == 2:
+        return tl.dot(a, b.to(tl.float32), input_precision="tf32x3")
     else:
-        a = tl.dot(h.to(Wt.dtype), Wt)
+        return tl.dot(a, b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def step(h, Wt, kt, vt, ft, DOT: tl.constexpr, FAST: tl.constexpr):
+    """One recurrence step on an fp32 state slab h [BK, BV]; returns (Z_t, H_t)."""
+    a = mm(h, Wt, DOT)
     z = tanh(a + kt[:, None] * vt[None, :], FAST)
     return z, ft * h + (1.0 - ft) * z
 
@@ -53,7 +64,7 @@ def m2rnn_forward(q, k, v, W, f, h0, y, h_out, ckpt,
                   S, NQ, NK, NF, NW, NSEG,
                   N: tl.constexpr, KSPLIT: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                   HAS_H0: tl.constexpr, WRITE_Y: tl.constexpr, CKPT: tl.constexpr,
-                  IEEE: tl.constexpr, FAST: tl.constexpr):
+                  DOT: tl.constexpr, FAST: tl.constexpr):
     """Forward over all S steps. WRITE_Y: y (fp32 partial per K slab when KSPLIT > 1, else the output)
     and the final state; CKPT > 0: the state before every CKPT-th step into ckpt [B, N, NSEG, K, V]."""
     bn = tl.program_id(0)
@@ -85,7 +96,7 @@ def m2rnn_forward(q, k, v, W, f, h0, y, h_out, ckpt,
         kt = tl.load(k_row + t * NK * K, mask=mk, other=0.0).to(tl.float32)
         vt = tl.load(v_row + t * N * V, mask=mv, other=0.0).to(tl.float32)
         ft = tl.load(f_row + t * NF).to(tl.float32)
-        z, h = step(h, Wt, kt, vt, ft, IEEE, FAST)
+        z, h = step(h, Wt, kt, vt, ft, DOT, FAST)
         if WRITE_Y:
             qt = tl.load(q_row + t * NQ * K, mask=mk, other=0.0).to(tl.float32)
             yt = tl.sum(h * qt[:, None], axis=0)
@@ -97,6 +108,14 @@ def m2rnn_forward(q, k, v, W, f, h0, y, h_out, ckpt,
 def block(n: int) -> int:
     """Power-of-two tile >= 16 covering n (tl.dot needs 16 on each side)."""
     return max(16, triton.next_power_of_2(n))
+
+
+DOTS = ("input", "tf32", "tf32x3", "ieee")
+
+
+def dot_mode(config: dict, shape: dict) -> int:
+    """fp32 inputs always multiply in IEEE fp32 (the problem's fp32 band assumes it)."""
+    return 3 if shape["dtype"] == "float32" else DOTS.index(config["DOT"])
 
 
 def fast_tanh(config: dict) -> bool:
@@ -141,7 +160,7 @@ def versions() -> dict:
 def m2rnn_backward(q, k, v, W, f, dy, dh_final, ckpt, scratch, dq, dk, dv, df, dW, dh0,
                    S, NQ, NK, NF, NW, NSEG,
                    N: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                   CKPT: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr):
+                   CKPT: tl.constexpr, DOT: tl.constexpr, FAST: tl.constexpr):
     """Backprop through time for one (batch row, value head), whole K. Segments of CKPT steps are
     walked last to first: the segment's states are recomputed from its checkpoint into ``scratch``
     [B*N, CKPT, K, V] (fp32), then read back in reverse. Per-value-head gradients go to fp32 buffers
@@ -182,7 +201,7 @@ def m2rnn_backward(q, k, v, W, f, dy, dh_final, ckpt, scratch, dq, dk, dv, df, d
             kt = tl.load(k_row + t * NK * K, mask=mk, other=0.0).to(tl.float32)
             vt = tl.load(v_row + t * N * V, mask=mv, other=0.0).to(tl.float32)
             ft = tl.load(f_row + t * NF).to(tl.float32)
-            z, h = step(h, Wt, kt, vt, ft, IEEE, FAST)
+            z, h = step(h, Wt, kt, vt, ft, DOT, FAST)
             tl.store(scr + i * K * V, h, mask=mkv)
         tl.debug_barrier()                   # scratch written by all threads before it is read back
         for ii in range(L):
@@ -194,17 +213,13 @@ def m2rnn_backward(q, k, v, W, f, dy, dh_final, ckpt, scratch, dq, dk, dv, df, d
             qt = tl.load(q_row + t * NQ * K, mask=mk, other=0.0).to(tl.float32)
             dyt = tl.load(dy_row + t * N * V, mask=mv, other=0.0).to(tl.float32)
             ft = tl.load(f_row + t * NF).to(tl.float32)
-            z, h_t = step(h_prev, Wt, kt, vt, ft, IEEE, FAST)
+            z, h_t = step(h_prev, Wt, kt, vt, ft, DOT, FAST)
             tl.store(dq + g_k + t * N * K, tl.sum(h_t * dyt[None, :], axis=1), mask=mk)
             G = dH + qt[:, None] * dyt[None, :]
             tl.store(df + g_f + t * N, tl.sum(tl.sum(G * (h_prev - z), axis=1), axis=0))
             dX = (1.0 - ft) * G * (1.0 - z * z)
-            if IEEE:
-                dW_acc += tl.dot(tl.trans(h_prev), dX, input_precision="ieee")
-                dXW = tl.dot(dX, WT, input_precision="ieee")
-            else:
-                dW_acc += tl.dot(tl.trans(h_prev.to(Wt.dtype)), dX.to(Wt.dtype))
-                dXW = tl.dot(dX.to(Wt.dtype), WT)
+            dW_acc += mm(tl.trans(h_prev), dX.to(Wt.dtype) if DOT == 0 else dX, DOT)
+            dXW = mm(dX, WT, DOT)
             tl.store(dk + g_k + t * N * K, tl.sum(dX * vt[None, :], axis=1), mask=mk)
             tl.store(dv + g_v + t * N * V, tl.sum(dX * kt[:, None], axis=0), mask=mv)
             dH = ft * G + dXW

@@ -9,6 +9,8 @@ Tunables:
   CKPT        checkpoint interval T: memory B*N*(S/T)*K*V*4 + scratch B*N*T*K*V*4 bytes, and the
               forward is recomputed once either way; small T: more checkpoint traffic, large T: the
               scratch falls out of L2
+  DOT         operands of the per-step products (bf16 inputs; fp32 inputs always use IEEE fp32):
+              input = state rounded to bf16 (upstream's choice), tf32, tf32x3 (~fp32), ieee
   FAST_TANH   tanh.approx.f32 (inline PTX); the exact formula under TRITON_INTERPRET
 """
 from __future__ import annotations
@@ -20,8 +22,8 @@ from lab.problems import _m2rnn as m2
 
 DSL = "triton"
 KERNEL = "m2rnn_bwd"
-TUNABLES = ("num_warps", "CKPT", "FAST_TANH")
-DEFAULTS = {"num_warps": 4, "CKPT": 64, "FAST_TANH": True}
+TUNABLES = ("num_warps", "CKPT", "DOT", "FAST_TANH")
+DEFAULTS = {"num_warps": 4, "CKPT": 64, "DOT": "tf32x3", "FAST_TANH": True}
 TARGETS = m2k.TARGETS
 
 
@@ -34,6 +36,8 @@ def config_reason(config: dict, shape: dict) -> str | None:
         return f"CKPT={config['CKPT']} must be a positive integer"
     if not isinstance(config["FAST_TANH"], bool):
         return "FAST_TANH must be true or false"
+    if config["DOT"] not in m2k.DOTS:
+        return f"DOT={config['DOT']!r} must be one of {', '.join(m2k.DOTS)}"
     return None
 
 
@@ -50,21 +54,21 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
     (H W, H^T dX, dX W^T) in the dot's input dtype. An approximation (Triton 3.6 AOT: 6,656 B on
     sm_90a and 7,168 B on sm_121a against 5,120 B at b8_n84; 3% low at fp32 K = V = 64): far below
     every limit here, and the compiled figure decides."""
-    e = 4 if shape["dtype"] == "float32" else 2
+    e = 2 if m2k.dot_mode(config, shape) == 0 else 4          # fp32 operands unless DOT = input
     bk, bv = m2k.block(shape["K"]), m2k.block(shape["V"])
     return e * (2 * bv * bv + 2 * bk * bv)
 
 
 def _consts(config: dict, shape: dict, fast: bool) -> dict:
     return {"N": shape["N"], "K": shape["K"], "V": shape["V"], "BK": m2k.block(shape["K"]),
-            "BV": m2k.block(shape["V"]), "CKPT": config["CKPT"], "IEEE": shape["dtype"] == "float32",
+            "BV": m2k.block(shape["V"]), "CKPT": config["CKPT"], "DOT": m2k.dot_mode(config, shape),
             "FAST": fast}
 
 
 def _fwd_consts(config: dict, shape: dict, fast: bool) -> dict:
     c = _consts(config, shape, fast)
     return {"N": c["N"], "KSPLIT": 1, "K": c["K"], "V": c["V"], "BK": c["BK"], "BV": c["BV"],
-            "HAS_H0": shape["h0"], "WRITE_Y": False, "CKPT": c["CKPT"], "IEEE": c["IEEE"], "FAST": fast}
+            "HAS_H0": shape["h0"], "WRITE_Y": False, "CKPT": c["CKPT"], "DOT": c["DOT"], "FAST": fast}
 
 
 def compile_for(config: dict, shape: dict, target: str) -> dict:

@@ -5,6 +5,8 @@ Tunables:
   num_warps   warps per program (the step is a 64 x 16 x 16 product: few warps, short chain)
   K_SPLIT     K slabs per (b, n): more programs (B*N*K_SPLIT) and a shorter per-step product, at the
               cost of an fp32 y partial per slab summed afterwards (one more pass over y)
+  DOT         operands of the per-step products (bf16 inputs; fp32 inputs always use IEEE fp32):
+              input = state rounded to bf16 (upstream's choice), tf32, tf32x3 (~fp32), ieee
   FAST_TANH   tanh.approx.f32 (inline PTX) instead of the exp-based formula; under TRITON_INTERPRET the
               formula always runs (the interpreter has no PTX)
 num_stages is not a tunable: the loop carries the state, so there is nothing to pipeline (upstream's
@@ -18,8 +20,8 @@ from kernels.triton import _m2rnn as m2k
 
 DSL = "triton"
 KERNEL = "m2rnn_fwd"
-TUNABLES = ("num_warps", "K_SPLIT", "FAST_TANH")
-DEFAULTS = {"num_warps": 4, "K_SPLIT": 1, "FAST_TANH": True}
+TUNABLES = ("num_warps", "K_SPLIT", "DOT", "FAST_TANH")
+DEFAULTS = {"num_warps": 4, "K_SPLIT": 1, "DOT": "tf32x3", "FAST_TANH": True}
 TARGETS = m2k.TARGETS
 
 
@@ -33,6 +35,8 @@ def config_reason(config: dict, shape: dict) -> str | None:
         return f"K_SPLIT={ks} must be 1, 2 or 4 with K/K_SPLIT >= 16 (K={shape['K']})"
     if not isinstance(config["FAST_TANH"], bool):
         return "FAST_TANH must be true or false"
+    if config["DOT"] not in m2k.DOTS:
+        return f"DOT={config['DOT']!r} must be one of {', '.join(m2k.DOTS)}"
     return None
 
 
@@ -49,7 +53,7 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
     per-step product, in the dot's input dtype (Triton stages both through shared memory). Checked
     against Triton 3.6 AOT compiles: exact at fp32 K = V = 64 and at the ragged bf16 shape, 25% high
     at b8_n84 (2,048 B compiled): a pre-filter, the compiled figure decides."""
-    e = 4 if shape["dtype"] == "float32" else 2
+    e = 2 if m2k.dot_mode(config, shape) == 0 else 4          # fp32 operands unless DOT = input
     bv = m2k.block(shape["V"])
     return e * (bv * bv + _bk(config, shape) * bv)
 
@@ -61,7 +65,7 @@ def _bk(config: dict, shape: dict) -> int:
 def _consts(config: dict, shape: dict, fast: bool) -> dict:
     return {"N": shape["N"], "KSPLIT": config["K_SPLIT"], "K": shape["K"], "V": shape["V"],
             "BK": _bk(config, shape), "BV": m2k.block(shape["V"]), "HAS_H0": shape["h0"], "WRITE_Y": True,
-            "CKPT": 0, "IEEE": shape["dtype"] == "float32", "FAST": fast}
+            "CKPT": 0, "DOT": m2k.dot_mode(config, shape), "FAST": fast}
 
 
 def compile_for(config: dict, shape: dict, target: str) -> dict:

@@ -38,8 +38,11 @@ def make_inputs(shape: dict, device: str, seed: int, backward: bool) -> dict:
 
     a_log = rnd(Nf, scale=0.5) - 1.0
     x = rnd(B, S, Nf) - 2.0
+    # W at spectral norm ~1 (Gaussian V x V with entry variance 1/(4V)): with ~2 the recurrence was
+    # chaotic over 4096 steps (H100, 2026-11-22: two correct bf16 kernels differing only in the order
+    # of a sum disagreed by rel_max > 1 on h_final), and no parity check can hold there.
     inp = {"q": rnd(B, S, Nq, K, scale=K ** -0.5).to(dt), "k": rnd(B, S, Nk, K, scale=K ** -0.5).to(dt),
-           "v": rnd(B, S, N, V).to(dt), "W": rnd(Nw, V, V, scale=V ** -0.5).to(dt),
+           "v": rnd(B, S, N, V).to(dt), "W": rnd(Nw, V, V, scale=0.5 * V ** -0.5).to(dt),
            "f": torch.exp(-torch.exp(a_log) * torch.nn.functional.softplus(x)).to(dt)}
     if shape["h0"]:
         inp["h0"] = rnd(B, N, K, V, scale=0.5).to(dt)
