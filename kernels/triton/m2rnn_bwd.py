@@ -28,6 +28,7 @@ TARGETS = m2k.TARGETS
 
 
 def config_reason(config: dict, shape: dict) -> str | None:
+    config = {**DEFAULTS, **config}
     if shape["dtype"] not in m2k.DTYPES:
         return f"dtype {shape['dtype']} not supported (have {', '.join(m2k.DTYPES)})"
     if config["num_warps"] not in (1, 2, 4, 8):
@@ -54,6 +55,7 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
     (H W, H^T dX, dX W^T) in the dot's input dtype. An approximation (Triton 3.6 AOT: 6,656 B on
     sm_90a and 7,168 B on sm_121a against 5,120 B at b8_n84; 3% low at fp32 K = V = 64): far below
     every limit here, and the compiled figure decides."""
+    config = {**DEFAULTS, **config}
     e = 2 if m2k.dot_mode(config, shape) == 0 else 4          # fp32 operands unless DOT = input
     bk, bv = m2k.block(shape["K"]), m2k.block(shape["V"])
     return e * (2 * bv * bv + 2 * bk * bv)
@@ -73,6 +75,7 @@ def _fwd_consts(config: dict, shape: dict, fast: bool) -> dict:
 
 def compile_for(config: dict, shape: dict, target: str) -> dict:
     """Both kernels for ``target``; smem_bytes / registers are the larger of the two."""
+    config = {**DEFAULTS, **config}
     fast = bool(config["FAST_TANH"])
     fwd = m2k.aot(m2k.m2rnn_forward, m2k.forward_signature(shape, True), _fwd_consts(config, shape, fast),
                   target, config["num_warps"])
@@ -85,6 +88,7 @@ def compile_for(config: dict, shape: dict, target: str) -> dict:
 
 
 def build(config: dict, shape: dict):
+    config = {**DEFAULTS, **config}
     fast = m2k.fast_tanh(config)
     consts, fconsts = _consts(config, shape, fast), _fwd_consts(config, shape, fast)
     B, S, N, K, V, T = shape["B"], shape["S"], shape["N"], shape["K"], shape["V"], config["CKPT"]

@@ -26,6 +26,7 @@ TARGETS = m2k.TARGETS
 
 
 def config_reason(config: dict, shape: dict) -> str | None:
+    config = {**DEFAULTS, **config}
     if shape["dtype"] not in m2k.DTYPES:
         return f"dtype {shape['dtype']} not supported (have {', '.join(m2k.DTYPES)})"
     if config["num_warps"] not in (1, 2, 4, 8):
@@ -53,6 +54,7 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
     per-step product, in the dot's input dtype (Triton stages both through shared memory). Checked
     against Triton 3.6 AOT compiles: exact at fp32 K = V = 64 and at the ragged bf16 shape, 25% high
     at b8_n84 (2,048 B compiled): a pre-filter, the compiled figure decides."""
+    config = {**DEFAULTS, **config}
     e = 2 if m2k.dot_mode(config, shape) == 0 else 4          # fp32 operands unless DOT = input
     bv = m2k.block(shape["V"])
     return e * (bv * bv + _bk(config, shape) * bv)
@@ -69,11 +71,13 @@ def _consts(config: dict, shape: dict, fast: bool) -> dict:
 
 
 def compile_for(config: dict, shape: dict, target: str) -> dict:
+    config = {**DEFAULTS, **config}
     return m2k.aot(m2k.m2rnn_forward, m2k.forward_signature(shape, config["K_SPLIT"] > 1),
                    _consts(config, shape, bool(config["FAST_TANH"])), target, config["num_warps"])
 
 
 def build(config: dict, shape: dict):
+    config = {**DEFAULTS, **config}
     consts = _consts(config, shape, m2k.fast_tanh(config))
     B, S, N, ks = shape["B"], shape["S"], shape["N"], config["K_SPLIT"]
     grid = (B * N, ks)
