@@ -323,7 +323,18 @@ def _chunk_macros(C: int, R: int, N: int, nr: int):
             else:
                 ang_s[f, j] = ang_s[f, j] + g_s[f, j] * (-x0 * sn - x1 * cs) + g_s[f, half + j] * (x0 * cs - x1 * sn)
 
-    return per_step_row_sum, angle_grad
+    @T.macro
+    def rotate_back(g_s, cos_s, sin_s, out):
+        """out = g_s with the rotary rotation of each pair undone (dL/d(rotated x) -> dL/dx)."""
+        for f, n in T.Parallel(F, N):
+            m = n % half
+            partner = T.if_then_else(n < half, n + half, n - half)
+            sgn = T.if_then_else(n < half, 1.0, -1.0)
+            cs = cos_s[f // R, T.min(m, nr - 1)]
+            sn = sin_s[f // R, T.min(m, nr - 1)]
+            out[f, n] = T.if_then_else(m < nr, g_s[f, n] * cs + sgn * g_s[f, partner] * sn, g_s[f, n])
+
+    return per_step_row_sum, angle_grad, rotate_back
 
 
 def _chunk_program(config: dict, shape: dict):
@@ -334,7 +345,7 @@ def _chunk_program(config: dict, shape: dict):
     half = N // 2
     hasD, hasZ = shape["hasD"], shape["hasZ"]
     dout_shape = (B, S, H, P) if shape["reduceO"] else (B, S, R, H, P)
-    _per_step_row_sum, _angle_grad = _chunk_macros(C, R, N, nr)
+    _per_step_row_sum, _angle_grad, _rotate_back = _chunk_macros(C, R, N, nr)
 
     @T.prim_func
     def chunk(Q: T.Tensor((B, S, R, G, N), dtype), K: T.Tensor((B, S, R, G, N), dtype),
@@ -510,13 +521,7 @@ def _chunk_program(config: dict, shape: dict):
             T.gemm(w_s, qh_s, acc_fn)
             T.copy(acc_fn, g_s)                                                  # dk_hat (rotated frame)
             _angle_grad(g_s, kp_s, cos_s, sin_s, fac_s, ang_s, True)
-            for f, n in T.Parallel(F, N):
-                m = n % half
-                partner = T.if_then_else(n < half, n + half, n - half)
-                sgn = T.if_then_else(n < half, 1.0, -1.0)
-                cs = cos_s[f // R, T.min(m, nr - 1)]
-                sn = sin_s[f // R, T.min(m, nr - 1)]
-                tmp_fn[f, n] = T.if_then_else(m < nr, g_s[f, n] * cs + sgn * g_s[f, partner] * sn, g_s[f, n])
+            _rotate_back(g_s, cos_s, sin_s, tmp_fn)
             for f, n in T.Parallel(F, N):
                 acc_fn[f, n] = tmp_fn[f, n] * T.cast(kp_s[f, n], F32)
             _per_step_row_sum(acc_fn, row_f, rows_s, c_f, DFACTOR[b, h, t0:t0 + C])
@@ -541,13 +546,7 @@ def _chunk_program(config: dict, shape: dict):
                 for r in T.serial(R):
                     ang_f[t, j] = ang_f[t, j] + ang_s[t * R + r, j]
             T.copy(ang_f, DANGLES[b, t0:t0 + C, h, :])
-            for f, n in T.Parallel(F, N):
-                m = n % half
-                partner = T.if_then_else(n < half, n + half, n - half)
-                sgn = T.if_then_else(n < half, 1.0, -1.0)
-                cs = cos_s[f // R, T.min(m, nr - 1)]
-                sn = sin_s[f // R, T.min(m, nr - 1)]
-                acc_fn[f, n] = T.if_then_else(m < nr, g_s[f, n] * cs + sgn * g_s[f, partner] * sn, g_s[f, n])
+            _rotate_back(g_s, cos_s, sin_s, acc_fn)
             T.gemm(wd_s, kp_s, acc_fn, transpose_A=True)                         # same-step terms
             T.copy(acc_fn, DQ[b, c * F:(c + 1) * F, h, :])
 

@@ -7,27 +7,10 @@ from __future__ import annotations
 
 import torch
 
-DSL = "torch"
+from kernels.torch._eager import (  # noqa: F401  (the lane interface)
+    BASELINE, DEFAULTS, DSL, TUNABLES, config_reason, eligibility, smem_estimate, target_reason)
+
 KERNEL = "gemm"
-TUNABLES: tuple[str, ...] = ()
-DEFAULTS: dict = {}
-BASELINE = True  # the row other lanes are compared with
-
-
-def config_reason(config: dict, shape: dict) -> str | None:
-    return None
-
-
-def eligibility(target: str) -> str | None:
-    return None
-
-
-def target_reason(config: dict, target: str) -> str | None:
-    return None
-
-
-def smem_estimate(config: dict, shape: dict, target: str) -> int | None:
-    return None
 
 
 def compile_for(config: dict, shape: dict, target: str) -> dict:

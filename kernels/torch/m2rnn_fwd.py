@@ -5,33 +5,12 @@ from __future__ import annotations
 
 import torch
 
+from kernels.torch._eager import (  # noqa: F401  (the lane interface)
+    BASELINE, DEFAULTS, DSL, TUNABLES, compile_for, config_reason, eligibility, smem_estimate,
+    target_reason, versions)
 from lab.problems import _m2rnn as m2
 
-DSL = "torch"
 KERNEL = "m2rnn_fwd"
-TUNABLES: tuple[str, ...] = ()
-DEFAULTS: dict = {}
-BASELINE = True
-
-
-def config_reason(config: dict, shape: dict) -> str | None:
-    return None
-
-
-def eligibility(target: str) -> str | None:
-    return None
-
-
-def target_reason(config: dict, target: str) -> str | None:
-    return None
-
-
-def smem_estimate(config: dict, shape: dict, target: str) -> int | None:
-    return None
-
-
-def compile_for(config: dict, shape: dict, target: str) -> dict:
-    raise NotImplementedError("eager PyTorch: nothing to compile ahead")
 
 
 def build(config: dict, shape: dict):
@@ -40,10 +19,3 @@ def build(config: dict, shape: dict):
         outputs["y"].copy_(y)
         outputs["h_final"].copy_(h)
     return run
-
-
-def versions() -> dict:
-    v = {"torch": torch.__version__}
-    if torch.version.cuda:
-        v["cuda"] = torch.version.cuda
-    return v

@@ -6,35 +6,12 @@ boundary and the baseline row of its tables; it has nothing to tune and nothing 
 """
 from __future__ import annotations
 
-import torch
-
+from kernels.torch._eager import (  # noqa: F401  (the lane interface)
+    BASELINE, DEFAULTS, DSL, TUNABLES, compile_for, config_reason, eligibility, smem_estimate,
+    target_reason, versions)
 from lab.problems import _mamba3 as m3
 
-DSL = "torch"
 KERNEL = "mamba_bwd_bwd"
-TUNABLES: tuple[str, ...] = ()
-DEFAULTS: dict = {}
-BASELINE = True
-
-
-def config_reason(config: dict, shape: dict) -> str | None:
-    return None
-
-
-def eligibility(target: str) -> str | None:
-    return None
-
-
-def target_reason(config: dict, target: str) -> str | None:
-    return None
-
-
-def smem_estimate(config: dict, shape: dict, target: str) -> int | None:
-    return None
-
-
-def compile_for(config: dict, shape: dict, target: str) -> dict:
-    raise NotImplementedError("eager PyTorch: nothing to compile ahead")
 
 
 def build(config: dict, shape: dict):
@@ -42,10 +19,3 @@ def build(config: dict, shape: dict):
         for name, value in m3.reference_outputs(inputs, shape).items():
             outputs[name].copy_(value)
     return run
-
-
-def versions() -> dict:
-    v = {"torch": torch.__version__}
-    if torch.version.cuda:
-        v["cuda"] = torch.version.cuda
-    return v

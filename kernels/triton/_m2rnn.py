@@ -12,9 +12,10 @@ from __future__ import annotations
 import os
 import time
 
-import torch
 import triton
 import triton.language as tl
+
+from kernels.triton import _common
 
 TARGETS = ("sm_80", "sm_90a", "sm_100a", "sm_120a", "sm_121a")
 DTYPES = ("float32", "bfloat16")
@@ -118,13 +119,26 @@ def dot_mode(config: dict, shape: dict) -> int:
     return 3 if shape["dtype"] == "float32" else DOTS.index(config["DOT"])
 
 
+def common_reason(config: dict, shape: dict) -> str | None:
+    """The rules both M2RNN lanes share (dtype, warps, DOT, FAST_TANH); None when they hold."""
+    if shape["dtype"] not in DTYPES:
+        return f"dtype {shape['dtype']} not supported (have {', '.join(DTYPES)})"
+    if config["num_warps"] not in (1, 2, 4, 8):
+        return f"num_warps={config['num_warps']} must be 1, 2, 4 or 8"
+    if not isinstance(config["FAST_TANH"], bool):
+        return "FAST_TANH must be true or false"
+    if config["DOT"] not in DOTS:
+        return f"DOT={config['DOT']!r} must be one of {', '.join(DOTS)}"
+    return None
+
+
+def eligibility(target: str) -> str | None:
+    return None if target in TARGETS else f"no Triton path for {target} (have {', '.join(TARGETS)})"
+
+
 def fast_tanh(config: dict) -> bool:
     """The inline-PTX tanh cannot run in the interpreter: there the exact formula stands in (CPU tests)."""
     return bool(config["FAST_TANH"]) and not interpreting()
-
-
-def cc(target: str) -> int:
-    return int(target.removeprefix("sm_").rstrip("a"))
 
 
 def aot(fn, sig: dict, consts: dict, target: str, num_warps: int) -> dict:
@@ -133,7 +147,7 @@ def aot(fn, sig: dict, consts: dict, target: str, num_warps: int) -> dict:
     sig = {**sig, **{k: "constexpr" for k in consts}}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
     t0 = time.perf_counter()
-    kernel = triton.compile(src, target=GPUTarget("cuda", cc(target), 32), options={"num_warps": num_warps})
+    kernel = triton.compile(src, target=GPUTarget("cuda", _common.cc(target), 32), options={"num_warps": num_warps})
     return {"smem_bytes": int(kernel.metadata.shared), "registers": getattr(kernel, "n_regs", None),
             "compile_s": time.perf_counter() - t0, "binary": "cubin"}
 
@@ -143,17 +157,6 @@ def forward_signature(shape: dict, y_fp32: bool) -> dict:
     return {"q": t, "k": t, "v": t, "W": t, "f": t, "h0": t, "y": "*fp32" if y_fp32 else t, "h_out": t,
             "ckpt": "*fp32", "S": "i32", "NQ": "i32", "NK": "i32", "NF": "i32", "NW": "i32", "NSEG": "i32"}
 
-
-def launch_info(kernel) -> dict:
-    meta = getattr(kernel, "metadata", None)
-    if meta is None:  # the interpreter returns no compiled kernel
-        return {}
-    return {"smem_bytes": int(meta.shared), "registers": getattr(kernel, "n_regs", None),
-            "spills": getattr(kernel, "n_spills", None)}
-
-
-def versions() -> dict:
-    return {"triton": triton.__version__, "torch": torch.__version__}
 
 
 @triton.jit

@@ -16,6 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton import _common
+from kernels.triton._common import versions  # noqa: F401  (the lane interface)
+
 DSL = "triton"
 KERNEL = "gemm"
 TUNABLES = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "LOAD")
@@ -132,7 +135,7 @@ def eligibility(target: str) -> str | None:
 
 def target_reason(config: dict, target: str) -> str | None:
     """Config rules that depend on the compile target."""
-    if config["LOAD"] != "ptr" and _cc(target) < 90:
+    if config["LOAD"] != "ptr" and _common.cc(target) < 90:
         return f"LOAD={config['LOAD']} requires sm_90 or newer, target is {target}"
     return None
 
@@ -140,9 +143,6 @@ def target_reason(config: dict, target: str) -> str | None:
 def _elem_bytes(dtype: str) -> int:
     return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
-
-def _cc(target: str) -> int:
-    return int(target.removeprefix("sm_").rstrip("a"))
 
 
 def smem_estimate(config: dict, shape: dict, target: str) -> int:
@@ -158,7 +158,7 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
     """
     elem = _elem_bytes(shape["dtype"])
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    stages, cc = max(1, config["num_stages"]), _cc(target)
+    stages, cc = max(1, config["num_stages"]), _common.cc(target)
     # wgmma / tcgen05 need BLOCK_M >= 64; smaller tiles take the mma.sync path and its buffering.
     async_mma = cc in (90, 100, 103) and bm >= 64
     buffers = stages if async_mma else max(1, stages - 1)
@@ -218,7 +218,7 @@ def compile_for(config: dict, shape: dict, target: str) -> dict:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     t0 = time.perf_counter()
-    kernel = triton.compile(src, target=GPUTarget("cuda", _cc(target), 32),
+    kernel = triton.compile(src, target=GPUTarget("cuda", _common.cc(target), 32),
                             options={"num_warps": config["num_warps"], "num_stages": config["num_stages"]})
     seconds = time.perf_counter() - t0
     return {"smem_bytes": int(kernel.metadata.shared), "registers": getattr(kernel, "n_regs", None),
@@ -255,7 +255,7 @@ def build(config: dict, shape: dict):
                 k = _gemm_tma_persistent[grid](*args, grid[0], **consts)
             else:
                 k = _gemm_tma[grid](*args, **consts)
-            return _launch_info(k)
+            return _common.launch_info(k)
         return run
 
     def run(inputs, outputs):
@@ -263,7 +263,7 @@ def build(config: dict, shape: dict):
         k = _gemm_ptr[grid](a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                             c.stride(0), c.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
                             **launch)
-        return _launch_info(k)
+        return _common.launch_info(k)
     return run
 
 
@@ -271,16 +271,3 @@ def _num_sms() -> int:
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(0).multi_processor_count
     return 4  # interpreter on the CPU: a few programs still exercise the persistent loop
-
-
-def _launch_info(kernel) -> dict:
-    """Shared memory (bytes), registers per thread and spills of the kernel that was launched."""
-    meta = getattr(kernel, "metadata", None)
-    if meta is None:  # the interpreter returns no compiled kernel
-        return {}
-    return {"smem_bytes": int(meta.shared), "registers": getattr(kernel, "n_regs", None),
-            "spills": getattr(kernel, "n_spills", None)}
-
-
-def versions() -> dict:
-    return {"triton": triton.__version__, "torch": torch.__version__}

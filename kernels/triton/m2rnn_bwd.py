@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton import _m2rnn as m2k
+from kernels.triton import _common, _m2rnn as m2k
+from kernels.triton._common import versions  # noqa: F401  (the lane interface)
 from lab.problems import _m2rnn as m2
 
 DSL = "triton"
@@ -25,25 +26,17 @@ KERNEL = "m2rnn_bwd"
 TUNABLES = ("num_warps", "CKPT", "DOT", "FAST_TANH")
 DEFAULTS = {"num_warps": 4, "CKPT": 64, "DOT": "tf32x3", "FAST_TANH": True}
 TARGETS = m2k.TARGETS
+eligibility = m2k.eligibility
 
 
 def config_reason(config: dict, shape: dict) -> str | None:
     config = {**DEFAULTS, **config}
-    if shape["dtype"] not in m2k.DTYPES:
-        return f"dtype {shape['dtype']} not supported (have {', '.join(m2k.DTYPES)})"
-    if config["num_warps"] not in (1, 2, 4, 8):
-        return f"num_warps={config['num_warps']} must be 1, 2, 4 or 8"
+    reason = m2k.common_reason(config, shape)
+    if reason:
+        return reason
     if not isinstance(config["CKPT"], int) or config["CKPT"] < 1:
         return f"CKPT={config['CKPT']} must be a positive integer"
-    if not isinstance(config["FAST_TANH"], bool):
-        return "FAST_TANH must be true or false"
-    if config["DOT"] not in m2k.DOTS:
-        return f"DOT={config['DOT']!r} must be one of {', '.join(m2k.DOTS)}"
     return None
-
-
-def eligibility(target: str) -> str | None:
-    return None if target in TARGETS else f"no Triton path for {target} (have {', '.join(TARGETS)})"
 
 
 def target_reason(config: dict, target: str) -> str | None:
@@ -115,9 +108,5 @@ def build(config: dict, shape: dict):
         grads = m2.reduce_heads({n: w[n] for n in ("dq", "dk", "dv", "dW", "df", "dh0")}, shape)
         for name, value in grads.items():
             o[name].copy_(value)
-        return m2k.launch_info(kern)
+        return _common.launch_info(kern)
     return run
-
-
-def versions() -> dict:
-    return m2k.versions()

@@ -16,33 +16,26 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton import _m2rnn as m2k
+from kernels.triton import _common, _m2rnn as m2k
+from kernels.triton._common import versions  # noqa: F401  (the lane interface)
 
 DSL = "triton"
 KERNEL = "m2rnn_fwd"
 TUNABLES = ("num_warps", "K_SPLIT", "DOT", "FAST_TANH")
 DEFAULTS = {"num_warps": 4, "K_SPLIT": 1, "DOT": "tf32x3", "FAST_TANH": True}
 TARGETS = m2k.TARGETS
+eligibility = m2k.eligibility
 
 
 def config_reason(config: dict, shape: dict) -> str | None:
     config = {**DEFAULTS, **config}
-    if shape["dtype"] not in m2k.DTYPES:
-        return f"dtype {shape['dtype']} not supported (have {', '.join(m2k.DTYPES)})"
-    if config["num_warps"] not in (1, 2, 4, 8):
-        return f"num_warps={config['num_warps']} must be 1, 2, 4 or 8"
+    reason = m2k.common_reason(config, shape)
+    if reason:
+        return reason
     ks = config["K_SPLIT"]
     if ks not in (1, 2, 4) or m2k.block(-(-shape["K"] // ks)) * ks > m2k.block(shape["K"]):
         return f"K_SPLIT={ks} must be 1, 2 or 4 with K/K_SPLIT >= 16 (K={shape['K']})"
-    if not isinstance(config["FAST_TANH"], bool):
-        return "FAST_TANH must be true or false"
-    if config["DOT"] not in m2k.DOTS:
-        return f"DOT={config['DOT']!r} must be one of {', '.join(m2k.DOTS)}"
     return None
-
-
-def eligibility(target: str) -> str | None:
-    return None if target in TARGETS else f"no Triton path for {target} (have {', '.join(TARGETS)})"
 
 
 def target_reason(config: dict, target: str) -> str | None:
@@ -95,9 +88,5 @@ def build(config: dict, shape: dict):
                                        num_warps=config["num_warps"], **consts)
         if ks > 1:
             torch.sum(y, 0, out=o["y"]) if o["y"].dtype == torch.float32 else o["y"].copy_(y.sum(0))
-        return m2k.launch_info(kern)
+        return _common.launch_info(kern)
     return run
-
-
-def versions() -> dict:
-    return m2k.versions()
