@@ -102,11 +102,13 @@ _INTERPRET = textwrap.dedent("""
 
 def test_triton_interpreter_parity_forward_and_backward():
     """fp32 through the harness (timed shape + the ragged S=977 parity shape); the fast tanh is replaced
-    by the exact formula in interpreter mode, K split and checkpoint intervals that do not divide S."""
-    cases = [("m2rnn_fwd", SMALL, {"num_warps": 4, "K_SPLIT": 1, "FAST_TANH": True}),
-             ("m2rnn_fwd", SMALL, {"num_warps": 4, "K_SPLIT": 2, "DOT": "input", "FAST_TANH": False}),
-             ("m2rnn_bwd", SMALL, {"num_warps": 4, "CKPT": 5, "FAST_TANH": True}),
-             ("m2rnn_bwd", {**SMALL, "h0": False}, {"num_warps": 4, "CKPT": 64, "DOT": "tf32", "FAST_TANH": False})]
+    by the exact formula in interpreter mode, K split, prefetch groups and checkpoint intervals that do not
+divide S."""
+    cases = [("m2rnn_fwd", SMALL, {"num_warps": 4, "K_SPLIT": 1, "FAST_TANH": True, "PREFETCH": 8}),
+             ("m2rnn_fwd", SMALL, {"num_warps": 4, "K_SPLIT": 2, "DOT": "input", "FAST_TANH": False, "PREFETCH": 1}),
+             ("m2rnn_bwd", SMALL, {"num_warps": 4, "CKPT": 5, "FAST_TANH": True, "PREFETCH": 2}),
+             ("m2rnn_bwd", {**SMALL, "h0": False}, {"num_warps": 4, "CKPT": 64, "DOT": "tf32", "FAST_TANH": False,
+                                                 "PREFETCH": 8})]
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     p = subprocess.run([sys.executable, "-c", _INTERPRET, ROOT, json.dumps(cases)], env=env,
                        capture_output=True, text=True, timeout=1800)

@@ -61,13 +61,57 @@ def step(h, Wt, kt, vt, ft, DOT: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
+def step_inputs(k_row, v_row, f_row, q_row, t, S, NK, NQ, NF, mk, mv,
+                N: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WITH_Q: tl.constexpr):
+    """Step t's (k_t, v_t, f_t, q_t) in the input dtype, zeros past the sequence end; q_t only when
+    WITH_Q (k_t stands in otherwise)."""
+    ok = t < S
+    kt = tl.load(k_row + t * NK * K, mask=mk & ok, other=0.0)
+    vt = tl.load(v_row + t * N * V, mask=mv & ok, other=0.0)
+    ft = tl.load(f_row + t * NF, mask=ok, other=0.0)
+    if WITH_Q:
+        qt = tl.load(q_row + t * NQ * K, mask=mk & ok, other=0.0)
+    else:
+        qt = kt
+    return kt, vt, ft, qt
+
+
+@triton.jit
+def group_inputs(k_row, v_row, f_row, q_row, t0, S, NK, NQ, NF, mk, mv,
+                 N: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WITH_Q: tl.constexpr, U: tl.constexpr):
+    """The inputs of steps t0 .. t0+U-1, a tuple: loaded one group ahead of their use, so a step's
+    global-load latency overlaps the previous group's U steps instead of stalling the chain."""
+    res = ()
+    for i in tl.static_range(U):
+        res = res + (step_inputs(k_row, v_row, f_row, q_row, t0 + i, S, NK, NQ, NF, mk, mv, N, K, V, WITH_Q),)
+    return res
+
+
+@triton.jit
+def forward_step(h, Wt, inp, t, ckpt_tile, y_row, mkv, mv, N: tl.constexpr, K: tl.constexpr,
+                 V: tl.constexpr, WRITE_Y: tl.constexpr, CKPT: tl.constexpr, DOT: tl.constexpr,
+                 FAST: tl.constexpr):
+    """Step t from its inputs ``inp``: the checkpoint of H_{t-1} when t % CKPT == 0, H_t, y_t."""
+    if CKPT > 0:
+        if t % CKPT == 0:
+            tl.store(ckpt_tile + (t // CKPT) * K * V, h, mask=mkv)
+    kt, vt, ft, qt = inp
+    z, h = step(h, Wt, kt.to(tl.float32), vt.to(tl.float32), ft.to(tl.float32), DOT, FAST)
+    if WRITE_Y:
+        yt = tl.sum(h * qt.to(tl.float32)[:, None], axis=0)
+        tl.store(y_row + t * N * V, yt.to(y_row.dtype.element_ty), mask=mv)
+    return h
+
+
+@triton.jit
 def m2rnn_forward(q, k, v, W, f, h0, y, h_out, ckpt,
                   S, NQ, NK, NF, NW, NSEG,
                   N: tl.constexpr, KSPLIT: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                   HAS_H0: tl.constexpr, WRITE_Y: tl.constexpr, CKPT: tl.constexpr,
-                  DOT: tl.constexpr, FAST: tl.constexpr):
-    """Forward over all S steps. WRITE_Y: y (fp32 partial per K slab when KSPLIT > 1, else the output)
-    and the final state; CKPT > 0: the state before every CKPT-th step into ckpt [B, N, NSEG, K, V]."""
+                  DOT: tl.constexpr, FAST: tl.constexpr, U: tl.constexpr):
+    """Forward over all S steps, in groups of U steps whose inputs are loaded one group ahead.
+    WRITE_Y: y (fp32 partial per K slab when KSPLIT > 1, else the output) and the final state;
+    CKPT > 0: the state before every CKPT-th step into ckpt [B, N, NSEG, K, V]."""
     bn = tl.program_id(0)
     ks = tl.program_id(1)
     b = bn // N
@@ -89,19 +133,17 @@ def m2rnn_forward(q, k, v, W, f, h0, y, h_out, ckpt,
     v_row = v + (b * S * N + n) * V + rv
     f_row = f + b * S * NF + n // (N // NF)
     y_row = y + ((ks * (tl.num_programs(0) // N) + b) * S * N + n) * V + rv    # [KSPLIT, B, S, N, V]
-    for t in range(S):
-        if CKPT > 0:
-            if t % CKPT == 0:
-                tl.store(ckpt + ((b * N + n) * NSEG + t // CKPT) * K * V + rk[:, None] * V + rv[None, :], h,
-                         mask=mkv)
-        kt = tl.load(k_row + t * NK * K, mask=mk, other=0.0).to(tl.float32)
-        vt = tl.load(v_row + t * N * V, mask=mv, other=0.0).to(tl.float32)
-        ft = tl.load(f_row + t * NF).to(tl.float32)
-        z, h = step(h, Wt, kt, vt, ft, DOT, FAST)
-        if WRITE_Y:
-            qt = tl.load(q_row + t * NQ * K, mask=mk, other=0.0).to(tl.float32)
-            yt = tl.sum(h * qt[:, None], axis=0)
-            tl.store(y_row + t * N * V, yt.to(y.dtype.element_ty), mask=mv)
+    ckpt_tile = ckpt + (b * N + n) * NSEG * K * V + rk[:, None] * V + rv[None, :]
+    cur = group_inputs(k_row, v_row, f_row, q_row, 0, S, NK, NQ, NF, mk, mv, N, K, V, WRITE_Y, U)
+    for t0 in range(0, S - U + 1, U):
+        nxt = group_inputs(k_row, v_row, f_row, q_row, t0 + U, S, NK, NQ, NF, mk, mv, N, K, V, WRITE_Y, U)
+        for i in tl.static_range(U):
+            h = forward_step(h, Wt, cur[i], t0 + i, ckpt_tile, y_row, mkv, mv, N, K, V, WRITE_Y, CKPT, DOT, FAST)
+        cur = nxt
+    t0 = S - S % U                   # the last S % U steps: ``cur`` holds their inputs
+    for i in tl.static_range(U - 1):
+        if t0 + i < S:
+            h = forward_step(h, Wt, cur[i], t0 + i, ckpt_tile, y_row, mkv, mv, N, K, V, WRITE_Y, CKPT, DOT, FAST)
     if WRITE_Y:
         tl.store(h_out + state, h.to(h_out.dtype.element_ty), mask=mkv)
 
@@ -129,6 +171,15 @@ def common_reason(config: dict, shape: dict) -> str | None:
         return "FAST_TANH must be true or false"
     if config["DOT"] not in DOTS:
         return f"DOT={config['DOT']!r} must be one of {', '.join(DOTS)}"
+    return None
+
+
+PREFETCHES = (1, 2, 4, 8)
+
+
+def prefetch_reason(config: dict) -> str | None:
+    if config["PREFETCH"] not in PREFETCHES:
+        return f"PREFETCH={config['PREFETCH']!r} must be one of {', '.join(map(str, PREFETCHES))}"
     return None
 
 
@@ -160,15 +211,63 @@ def forward_signature(shape: dict, y_fp32: bool) -> dict:
 
 
 @triton.jit
+def back_inputs(scr, tile, mkv, k_row, v_row, f_row, q_row, dy_row, t, i, ok, NK, NQ, NF, mk, mv,
+                N: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """Step t's inputs for the reverse walk: H_{t-1} (segment row i of the scratch), k_t, v_t, f_t,
+    q_t, dy_t; zeros where not ``ok``."""
+    h_prev = tl.load(scr + i * K * V + tile, mask=mkv & ok, other=0.0)
+    kt = tl.load(k_row + t * NK * K, mask=mk & ok, other=0.0)
+    vt = tl.load(v_row + t * N * V, mask=mv & ok, other=0.0)
+    ft = tl.load(f_row + t * NF, mask=ok, other=0.0)
+    qt = tl.load(q_row + t * NQ * K, mask=mk & ok, other=0.0)
+    dyt = tl.load(dy_row + t * N * V, mask=mv & ok, other=0.0)
+    return h_prev, kt, vt, ft, qt, dyt
+
+
+@triton.jit
+def back_group(scr, tile, mkv, k_row, v_row, f_row, q_row, dy_row, t0, i0, NK, NQ, NF, mk, mv,
+               N: tl.constexpr, K: tl.constexpr, V: tl.constexpr, U: tl.constexpr):
+    """Reverse-walk inputs of segment rows i0, i0-1, .., i0-U+1 (steps t0+i0 downwards), a tuple."""
+    res = ()
+    for u in tl.static_range(U):
+        res = res + (back_inputs(scr, tile, mkv, k_row, v_row, f_row, q_row, dy_row, t0 + i0 - u, i0 - u,
+                                 i0 - u >= 0, NK, NQ, NF, mk, mv, N, K, V),)
+    return res
+
+
+@triton.jit
+def back_step(dH, dW_acc, Wt, inp, t, g_k, g_v, g_f, dq, dk, dv, df, mk, mv,
+              N: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DOT: tl.constexpr, FAST: tl.constexpr):
+    """One BPTT step t from its inputs: writes dq_t, dk_t, dv_t, df_t; returns (dH_{t-1}, dW_acc)."""
+    h_prev, kt, vt, ft, qt, dyt = inp
+    kt = kt.to(tl.float32)
+    vt = vt.to(tl.float32)
+    ft = ft.to(tl.float32)
+    qt = qt.to(tl.float32)
+    dyt = dyt.to(tl.float32)
+    z, h_t = step(h_prev, Wt, kt, vt, ft, DOT, FAST)
+    tl.store(dq + g_k + t * N * K, tl.sum(h_t * dyt[None, :], axis=1), mask=mk)
+    G = dH + qt[:, None] * dyt[None, :]
+    tl.store(df + g_f + t * N, tl.sum(tl.sum(G * (h_prev - z), axis=1), axis=0))
+    dX = (1.0 - ft) * G * (1.0 - z * z)
+    dW_acc += mm(tl.trans(h_prev), dX.to(Wt.dtype) if DOT == 0 else dX, DOT)
+    dXW = mm(dX, tl.trans(Wt), DOT)
+    tl.store(dk + g_k + t * N * K, tl.sum(dX * vt[None, :], axis=1), mask=mk)
+    tl.store(dv + g_v + t * N * V, tl.sum(dX * kt[:, None], axis=0), mask=mv)
+    return ft * G + dXW, dW_acc
+
+
+@triton.jit
 def m2rnn_backward(q, k, v, W, f, dy, dh_final, ckpt, scratch, dq, dk, dv, df, dW, dh0,
                    S, NQ, NK, NF, NW, NSEG,
                    N: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                   CKPT: tl.constexpr, DOT: tl.constexpr, FAST: tl.constexpr):
+                   CKPT: tl.constexpr, DOT: tl.constexpr, FAST: tl.constexpr, U: tl.constexpr):
     """Backprop through time for one (batch row, value head), whole K. Segments of CKPT steps are
     walked last to first: the segment's states are recomputed from its checkpoint into ``scratch``
-    [B*N, CKPT, K, V] (fp32), then read back in reverse. Per-value-head gradients go to fp32 buffers
-    dq, dk [B, S, N, K], dv [B, S, N, V], df [B, S, N], dW [B, N, V, V], dh0 [B, N, K, V]; the lane
-    sums shared heads afterwards."""
+    [B*N, CKPT, K, V] (fp32), then read back in reverse. Both walks run in groups of U steps whose
+    inputs are loaded one group ahead. Per-value-head gradients go to fp32 buffers dq, dk [B, S, N, K],
+    dv [B, S, N, V], df [B, S, N], dW [B, N, V, V], dh0 [B, N, K, V]; the lane sums shared heads
+    afterwards."""
     bn = tl.program_id(0)
     b = bn // N
     n = bn % N
@@ -180,7 +279,6 @@ def m2rnn_backward(q, k, v, W, f, dy, dh_final, ckpt, scratch, dq, dk, dv, df, d
     tile = rk[:, None] * V + rv[None, :]
     Wt = tl.load(W + (n // (N // NW)) * V * V + rv[:, None] * V + rv[None, :], mask=mv[:, None] & mv[None, :],
                  other=0.0)
-    WT = tl.trans(Wt)
     dH = tl.load(dh_final + bn * K * V + tile, mask=mkv, other=0.0).to(tl.float32)
     dW_acc = tl.zeros((BV, BV), dtype=tl.float32)
     q_row = q + (b * S * NQ + n // (N // NQ)) * K + rk
@@ -191,41 +289,46 @@ def m2rnn_backward(q, k, v, W, f, dy, dh_final, ckpt, scratch, dq, dk, dv, df, d
     g_k = (b * S * N + n) * K + rk
     g_v = (b * S * N + n) * V + rv
     g_f = b * S * N + n
-    scr = scratch + bn * CKPT * K * V + tile
+    scr = scratch + bn * CKPT * K * V
     for jj in range(NSEG):
         j = NSEG - 1 - jj
         t0 = j * CKPT
         L = tl.minimum(CKPT, S - t0)
         h = tl.load(ckpt + (bn * NSEG + j) * K * V + tile, mask=mkv, other=0.0)
         tl.debug_barrier()                   # the previous segment's reads of scratch are done
-        tl.store(scr, h, mask=mkv)
-        for i in range(1, L):
-            t = t0 + i - 1
-            kt = tl.load(k_row + t * NK * K, mask=mk, other=0.0).to(tl.float32)
-            vt = tl.load(v_row + t * N * V, mask=mv, other=0.0).to(tl.float32)
-            ft = tl.load(f_row + t * NF).to(tl.float32)
-            z, h = step(h, Wt, kt, vt, ft, DOT, FAST)
-            tl.store(scr + i * K * V, h, mask=mkv)
+        tl.store(scr + tile, h, mask=mkv)
+        # Recompute H_{t0} .. H_{t0+L-2} into scratch rows 1 .. L-1 (steps t0 .. t0+L-2).
+        cur = group_inputs(k_row, v_row, f_row, q_row, t0, t0 + L - 1, NK, NQ, NF, mk, mv, N, K, V, False, U)
+        for i0 in range(0, L - U, U):
+            nxt = group_inputs(k_row, v_row, f_row, q_row, t0 + i0 + U, t0 + L - 1, NK, NQ, NF, mk, mv, N, K, V,
+                               False, U)
+            for u in tl.static_range(U):
+                kt, vt, ft, qt = cur[u]
+                z, h = step(h, Wt, kt.to(tl.float32), vt.to(tl.float32), ft.to(tl.float32), DOT, FAST)
+                tl.store(scr + (i0 + u + 1) * K * V + tile, h, mask=mkv)
+            cur = nxt
+        i0 = (L - 1) - (L - 1) % U
+        for u in tl.static_range(U - 1):
+            if i0 + u < L - 1:
+                kt, vt, ft, qt = cur[u]
+                z, h = step(h, Wt, kt.to(tl.float32), vt.to(tl.float32), ft.to(tl.float32), DOT, FAST)
+                tl.store(scr + (i0 + u + 1) * K * V + tile, h, mask=mkv)
         tl.debug_barrier()                   # scratch written by all threads before it is read back
-        for ii in range(L):
-            i = L - 1 - ii
-            t = t0 + i
-            h_prev = tl.load(scr + i * K * V, mask=mkv, other=0.0)
-            kt = tl.load(k_row + t * NK * K, mask=mk, other=0.0).to(tl.float32)
-            vt = tl.load(v_row + t * N * V, mask=mv, other=0.0).to(tl.float32)
-            qt = tl.load(q_row + t * NQ * K, mask=mk, other=0.0).to(tl.float32)
-            dyt = tl.load(dy_row + t * N * V, mask=mv, other=0.0).to(tl.float32)
-            ft = tl.load(f_row + t * NF).to(tl.float32)
-            z, h_t = step(h_prev, Wt, kt, vt, ft, DOT, FAST)
-            tl.store(dq + g_k + t * N * K, tl.sum(h_t * dyt[None, :], axis=1), mask=mk)
-            G = dH + qt[:, None] * dyt[None, :]
-            tl.store(df + g_f + t * N, tl.sum(tl.sum(G * (h_prev - z), axis=1), axis=0))
-            dX = (1.0 - ft) * G * (1.0 - z * z)
-            dW_acc += mm(tl.trans(h_prev), dX.to(Wt.dtype) if DOT == 0 else dX, DOT)
-            dXW = mm(dX, WT, DOT)
-            tl.store(dk + g_k + t * N * K, tl.sum(dX * vt[None, :], axis=1), mask=mk)
-            tl.store(dv + g_v + t * N * V, tl.sum(dX * kt[:, None], axis=0), mask=mv)
-            dH = ft * G + dXW
+        # Walk steps t0+L-1 .. t0 (segment rows L-1 .. 0).
+        cur = back_group(scr, tile, mkv, k_row, v_row, f_row, q_row, dy_row, t0, L - 1, NK, NQ, NF, mk, mv,
+                         N, K, V, U)
+        for ii0 in range(0, L - U + 1, U):
+            nxt = back_group(scr, tile, mkv, k_row, v_row, f_row, q_row, dy_row, t0, L - 1 - ii0 - U, NK, NQ, NF,
+                             mk, mv, N, K, V, U)
+            for u in tl.static_range(U):
+                dH, dW_acc = back_step(dH, dW_acc, Wt, cur[u], t0 + L - 1 - ii0 - u, g_k, g_v, g_f, dq, dk, dv,
+                                       df, mk, mv, N, K, V, DOT, FAST)
+            cur = nxt
+        ii0 = L - L % U
+        for u in tl.static_range(U - 1):
+            if ii0 + u < L:
+                dH, dW_acc = back_step(dH, dW_acc, Wt, cur[u], t0 + L - 1 - ii0 - u, g_k, g_v, g_f, dq, dk, dv,
+                                       df, mk, mv, N, K, V, DOT, FAST)
     tl.store(dW + bn * V * V + rv[:, None] * V + rv[None, :], dW_acc, mask=mv[:, None] & mv[None, :])
     tl.store(dh0 + bn * K * V + tile, dH, mask=mkv)
 

@@ -12,6 +12,8 @@ Tunables:
   DOT         operands of the per-step products (bf16 inputs; fp32 inputs always use IEEE fp32):
               input = state rounded to bf16 (upstream's choice), tf32, tf32x3 (~fp32), ieee
   FAST_TANH   tanh.approx.f32 (inline PTX); the exact formula under TRITON_INTERPRET
+  PREFETCH    steps per group in both kernels' loops: each group's inputs (and, walking back, the
+              scratch states) are loaded while the previous group computes (1 = per step, no overlap)
 """
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ from lab.problems import _m2rnn as m2
 
 DSL = "triton"
 KERNEL = "m2rnn_bwd"
-TUNABLES = ("num_warps", "CKPT", "DOT", "FAST_TANH")
-DEFAULTS = {"num_warps": 4, "CKPT": 64, "DOT": "tf32x3", "FAST_TANH": True}
+TUNABLES = ("num_warps", "CKPT", "DOT", "FAST_TANH", "PREFETCH")
+DEFAULTS = {"num_warps": 4, "CKPT": 64, "DOT": "input", "FAST_TANH": True, "PREFETCH": 4}
 TARGETS = m2k.TARGETS
 eligibility = m2k.eligibility
 
@@ -36,7 +38,7 @@ def config_reason(config: dict, shape: dict) -> str | None:
         return reason
     if not isinstance(config["CKPT"], int) or config["CKPT"] < 1:
         return f"CKPT={config['CKPT']} must be a positive integer"
-    return None
+    return m2k.prefetch_reason(config)
 
 
 def target_reason(config: dict, target: str) -> str | None:
@@ -57,13 +59,13 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
 def _consts(config: dict, shape: dict, fast: bool) -> dict:
     return {"N": shape["N"], "K": shape["K"], "V": shape["V"], "BK": m2k.block(shape["K"]),
             "BV": m2k.block(shape["V"]), "CKPT": config["CKPT"], "DOT": m2k.dot_mode(config, shape),
-            "FAST": fast}
+            "FAST": fast, "U": config["PREFETCH"]}
 
 
 def _fwd_consts(config: dict, shape: dict, fast: bool) -> dict:
     c = _consts(config, shape, fast)
     return {"N": c["N"], "KSPLIT": 1, "K": c["K"], "V": c["V"], "BK": c["BK"], "BV": c["BV"],
-            "HAS_H0": shape["h0"], "WRITE_Y": False, "CKPT": c["CKPT"], "DOT": c["DOT"], "FAST": fast}
+            "HAS_H0": shape["h0"], "WRITE_Y": False, "CKPT": c["CKPT"], "DOT": c["DOT"], "FAST": fast, "U": c["U"]}
 
 
 def compile_for(config: dict, shape: dict, target: str) -> dict:

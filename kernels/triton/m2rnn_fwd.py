@@ -9,8 +9,11 @@ Tunables:
               input = state rounded to bf16 (upstream's choice), tf32, tf32x3 (~fp32), ieee
   FAST_TANH   tanh.approx.f32 (inline PTX) instead of the exp-based formula; under TRITON_INTERPRET the
               formula always runs (the interpreter has no PTX)
-num_stages is not a tunable: the loop carries the state, so there is nothing to pipeline (upstream's
-autotuning found it irrelevant too).
+  PREFETCH    steps per group: the loop runs in groups of PREFETCH steps and loads the next group's
+              k, v, f, q while it computes this one (1 = load each step's inputs just before it, the
+              upstream pattern, which puts one global-load latency on every serial step)
+num_stages is not a tunable: Triton's pipeliner only stages loads that feed a dot, and the loop carries
+the state; PREFETCH is the hand-written equivalent (upstream's autotuning found num_stages irrelevant).
 """
 from __future__ import annotations
 
@@ -21,8 +24,8 @@ from kernels.triton._common import versions  # noqa: F401  (the lane interface)
 
 DSL = "triton"
 KERNEL = "m2rnn_fwd"
-TUNABLES = ("num_warps", "K_SPLIT", "DOT", "FAST_TANH")
-DEFAULTS = {"num_warps": 4, "K_SPLIT": 1, "DOT": "tf32x3", "FAST_TANH": True}
+TUNABLES = ("num_warps", "K_SPLIT", "DOT", "FAST_TANH", "PREFETCH")
+DEFAULTS = {"num_warps": 4, "K_SPLIT": 1, "DOT": "input", "FAST_TANH": True, "PREFETCH": 4}
 TARGETS = m2k.TARGETS
 eligibility = m2k.eligibility
 
@@ -35,7 +38,7 @@ def config_reason(config: dict, shape: dict) -> str | None:
     ks = config["K_SPLIT"]
     if ks not in (1, 2, 4) or m2k.block(-(-shape["K"] // ks)) * ks > m2k.block(shape["K"]):
         return f"K_SPLIT={ks} must be 1, 2 or 4 with K/K_SPLIT >= 16 (K={shape['K']})"
-    return None
+    return m2k.prefetch_reason(config)
 
 
 def target_reason(config: dict, target: str) -> str | None:
@@ -60,7 +63,7 @@ def _bk(config: dict, shape: dict) -> int:
 def _consts(config: dict, shape: dict, fast: bool) -> dict:
     return {"N": shape["N"], "KSPLIT": config["K_SPLIT"], "K": shape["K"], "V": shape["V"],
             "BK": _bk(config, shape), "BV": m2k.block(shape["V"]), "HAS_H0": shape["h0"], "WRITE_Y": True,
-            "CKPT": 0, "DOT": m2k.dot_mode(config, shape), "FAST": fast}
+            "CKPT": 0, "DOT": m2k.dot_mode(config, shape), "FAST": fast, "U": config["PREFETCH"]}
 
 
 def compile_for(config: dict, shape: dict, target: str) -> dict:
