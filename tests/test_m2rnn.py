@@ -106,7 +106,7 @@ def test_triton_interpreter_parity_forward_and_backward():
 divide S."""
     cases = [("m2rnn_fwd", SMALL, {"num_warps": 4, "K_SPLIT": 1, "FAST_TANH": True, "PREFETCH": 8}),
              ("m2rnn_fwd", SMALL, {"num_warps": 4, "K_SPLIT": 2, "DOT": "input", "FAST_TANH": False, "PREFETCH": 1}),
-             ("m2rnn_bwd", SMALL, {"num_warps": 4, "CKPT": 5, "FAST_TANH": True, "PREFETCH": 2}),
+             ("m2rnn_bwd", SMALL, {"num_warps": 4, "CKPT": 5, "FAST_TANH": True, "PREFETCH": 2, "K_SPLIT": 2}),
              ("m2rnn_bwd", {**SMALL, "h0": False}, {"num_warps": 4, "CKPT": 64, "DOT": "tf32", "FAST_TANH": False,
                                                  "PREFETCH": 8})]
     env = {**os.environ, "TRITON_INTERPRET": "1"}

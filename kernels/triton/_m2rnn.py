@@ -177,6 +177,18 @@ def common_reason(config: dict, shape: dict) -> str | None:
 PREFETCHES = (1, 2, 4, 8)
 
 
+def slab(config: dict, shape: dict) -> int:
+    """BLOCK_K: rows of the state per program."""
+    return block(-(-shape["K"] // config["K_SPLIT"]))
+
+
+def ksplit_reason(config: dict, shape: dict) -> str | None:
+    ks = config["K_SPLIT"]
+    if ks not in (1, 2, 4) or slab(config, shape) * ks > block(shape["K"]):
+        return f"K_SPLIT={ks} must be 1, 2 or 4 with K/K_SPLIT >= 16 (K={shape['K']})"
+    return None
+
+
 def prefetch_reason(config: dict) -> str | None:
     if config["PREFETCH"] not in PREFETCHES:
         return f"PREFETCH={config['PREFETCH']!r} must be one of {', '.join(map(str, PREFETCHES))}"
@@ -262,16 +274,20 @@ def m2rnn_backward(q, k, v, W, f, dy, dh_final, ckpt, scratch, dq, dk, dv, df, d
                    S, NQ, NK, NF, NW, NSEG,
                    N: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    CKPT: tl.constexpr, DOT: tl.constexpr, FAST: tl.constexpr, U: tl.constexpr):
-    """Backprop through time for one (batch row, value head), whole K. Segments of CKPT steps are
+    """Backprop through time for one (batch row, value head) and a BK-row slab of K (program_id 1):
+    rows of dH evolve independently like rows of H, so only dv, df and dW (sums over K) need the
+    slabs' partials, which land at [slab] of dv [KSPLIT, B, S, N, V], df [KSPLIT, B, S, N] and
+    dW [KSPLIT, B, N, V, V]. Segments of CKPT steps are
     walked last to first: the segment's states are recomputed from its checkpoint into ``scratch``
     [B*N, CKPT, K, V] (fp32), then read back in reverse. Both walks run in groups of U steps whose
     inputs are loaded one group ahead. Per-value-head gradients go to fp32 buffers dq, dk [B, S, N, K],
-    dv [B, S, N, V], df [B, S, N], dW [B, N, V, V], dh0 [B, N, K, V]; the lane sums shared heads
-    afterwards."""
+    dv, df, dW as above, dh0 [B, N, K, V]; the lane sums slabs and shared heads afterwards."""
     bn = tl.program_id(0)
+    ks = tl.program_id(1)
     b = bn // N
     n = bn % N
-    rk = tl.arange(0, BK)
+    slab = ks * tl.num_programs(0)            # B*N: partial buffers are [KSPLIT, B*N, ...]
+    rk = ks * BK + tl.arange(0, BK)
     rv = tl.arange(0, BV)
     mk = rk < K
     mv = rv < V
@@ -287,8 +303,8 @@ def m2rnn_backward(q, k, v, W, f, dy, dh_final, ckpt, scratch, dq, dk, dv, df, d
     f_row = f + b * S * NF + n // (N // NF)
     dy_row = dy + (b * S * N + n) * V + rv
     g_k = (b * S * N + n) * K + rk
-    g_v = (b * S * N + n) * V + rv
-    g_f = b * S * N + n
+    g_v = (slab * S + b * S * N + n) * V + rv
+    g_f = slab * S + b * S * N + n
     scr = scratch + bn * CKPT * K * V
     for jj in range(NSEG):
         j = NSEG - 1 - jj
@@ -329,7 +345,7 @@ def m2rnn_backward(q, k, v, W, f, dy, dh_final, ckpt, scratch, dq, dk, dv, df, d
             if ii0 + u < L:
                 dH, dW_acc = back_step(dH, dW_acc, Wt, cur[u], t0 + L - 1 - ii0 - u, g_k, g_v, g_f, dq, dk, dv,
                                        df, mk, mv, N, K, V, DOT, FAST)
-    tl.store(dW + bn * V * V + rv[:, None] * V + rv[None, :], dW_acc, mask=mv[:, None] & mv[None, :])
+    tl.store(dW + (slab + bn) * V * V + rv[:, None] * V + rv[None, :], dW_acc, mask=mv[:, None] & mv[None, :])
     tl.store(dh0 + bn * K * V + tile, dH, mask=mkv)
 
 

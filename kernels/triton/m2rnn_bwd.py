@@ -6,6 +6,8 @@ summed by torch afterwards.
 
 Tunables:
   num_warps   warps per program
+  K_SPLIT     K slabs per (b, n), one program each (rows of H and dH evolve independently): shorter
+              per-step products and reductions, at the cost of fp32 partials of dv, df, dW per slab
   CKPT        checkpoint interval T: memory B*N*(S/T)*K*V*4 + scratch B*N*T*K*V*4 bytes, and the
               forward is recomputed once either way; small T: more checkpoint traffic, large T: the
               scratch falls out of L2
@@ -25,8 +27,8 @@ from lab.problems import _m2rnn as m2
 
 DSL = "triton"
 KERNEL = "m2rnn_bwd"
-TUNABLES = ("num_warps", "CKPT", "DOT", "FAST_TANH", "PREFETCH")
-DEFAULTS = {"num_warps": 4, "CKPT": 64, "DOT": "input", "FAST_TANH": True, "PREFETCH": 4}
+TUNABLES = ("num_warps", "K_SPLIT", "CKPT", "DOT", "FAST_TANH", "PREFETCH")
+DEFAULTS = {"num_warps": 4, "K_SPLIT": 1, "CKPT": 64, "DOT": "input", "FAST_TANH": True, "PREFETCH": 4}
 TARGETS = m2k.TARGETS
 eligibility = m2k.eligibility
 
@@ -38,7 +40,7 @@ def config_reason(config: dict, shape: dict) -> str | None:
         return reason
     if not isinstance(config["CKPT"], int) or config["CKPT"] < 1:
         return f"CKPT={config['CKPT']} must be a positive integer"
-    return m2k.prefetch_reason(config)
+    return m2k.ksplit_reason(config, shape) or m2k.prefetch_reason(config)
 
 
 def target_reason(config: dict, target: str) -> str | None:
@@ -52,19 +54,19 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
     every limit here, and the compiled figure decides."""
     config = {**DEFAULTS, **config}
     e = 2 if m2k.dot_mode(config, shape) == 0 else 4          # fp32 operands unless DOT = input
-    bk, bv = m2k.block(shape["K"]), m2k.block(shape["V"])
+    bk, bv = m2k.slab(config, shape), m2k.block(shape["V"])
     return e * (2 * bv * bv + 2 * bk * bv)
 
 
 def _consts(config: dict, shape: dict, fast: bool) -> dict:
-    return {"N": shape["N"], "K": shape["K"], "V": shape["V"], "BK": m2k.block(shape["K"]),
+    return {"N": shape["N"], "K": shape["K"], "V": shape["V"], "BK": m2k.slab(config, shape),
             "BV": m2k.block(shape["V"]), "CKPT": config["CKPT"], "DOT": m2k.dot_mode(config, shape),
             "FAST": fast, "U": config["PREFETCH"]}
 
 
 def _fwd_consts(config: dict, shape: dict, fast: bool) -> dict:
     c = _consts(config, shape, fast)
-    return {"N": c["N"], "KSPLIT": 1, "K": c["K"], "V": c["V"], "BK": c["BK"], "BV": c["BV"],
+    return {"N": c["N"], "KSPLIT": config["K_SPLIT"], "K": c["K"], "V": c["V"], "BK": c["BK"], "BV": c["BV"],
             "HAS_H0": shape["h0"], "WRITE_Y": False, "CKPT": c["CKPT"], "DOT": c["DOT"], "FAST": fast, "U": c["U"]}
 
 
@@ -87,6 +89,7 @@ def build(config: dict, shape: dict):
     fast = m2k.fast_tanh(config)
     consts, fconsts = _consts(config, shape, fast), _fwd_consts(config, shape, fast)
     B, S, N, K, V, T = shape["B"], shape["S"], shape["N"], shape["K"], shape["V"], config["CKPT"]
+    ks = config["K_SPLIT"]
     nseg = -(-S // T)
     heads = (shape["Nq"], shape["Nk"], shape["Nf"], shape["Nw"])
     work: dict = {}
@@ -98,16 +101,18 @@ def build(config: dict, shape: dict):
             f32 = {"dtype": torch.float32, "device": dev}
             work.update(dev=dev, ckpt=torch.empty(B, N, nseg, K, V, **f32), scratch=torch.empty(B * N, T, K, V, **f32),
                         dq=torch.empty(B, S, N, K, **f32), dk=torch.empty(B, S, N, K, **f32),
-                        dv=torch.empty(B, S, N, V, **f32), df=torch.empty(B, S, N, **f32),
-                        dW=torch.empty(B, N, V, V, **f32), dh0=torch.empty(B, N, K, V, **f32))
+                        dv=torch.empty(ks, B, S, N, V, **f32), df=torch.empty(ks, B, S, N, **f32),
+                        dW=torch.empty(ks, B, N, V, V, **f32), dh0=torch.empty(B, N, K, V, **f32))
         w = work
         h0 = i.get("h0", i["dh_final"])   # unused pointer when there is no h0
-        m2k.m2rnn_forward[(B * N, 1)](i["q"], i["k"], i["v"], i["W"], i["f"], h0, w["ckpt"], i["dh_final"], w["ckpt"],
+        m2k.m2rnn_forward[(B * N, ks)](i["q"], i["k"], i["v"], i["W"], i["f"], h0, w["ckpt"], i["dh_final"], w["ckpt"],
                                       S, *heads, nseg, num_warps=config["num_warps"], **fconsts)
-        kern = m2k.m2rnn_backward[(B * N,)](i["q"], i["k"], i["v"], i["W"], i["f"], i["dy"], i["dh_final"],
+        kern = m2k.m2rnn_backward[(B * N, ks)](i["q"], i["k"], i["v"], i["W"], i["f"], i["dy"], i["dh_final"],
                                            w["ckpt"], w["scratch"], w["dq"], w["dk"], w["dv"], w["df"], w["dW"],
                                            w["dh0"], S, *heads, nseg, num_warps=config["num_warps"], **consts)
-        grads = m2.reduce_heads({n: w[n] for n in ("dq", "dk", "dv", "dW", "df", "dh0")}, shape)
+        per_head = {n: (w[n].sum(0) if ks > 1 else w[n][0]) if n in ("dv", "df", "dW") else w[n]
+                    for n in ("dq", "dk", "dv", "dW", "df", "dh0")}
+        grads = m2.reduce_heads(per_head, shape)
         for name, value in grads.items():
             o[name].copy_(value)
         return _common.launch_info(kern)

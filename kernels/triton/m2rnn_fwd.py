@@ -35,10 +35,7 @@ def config_reason(config: dict, shape: dict) -> str | None:
     reason = m2k.common_reason(config, shape)
     if reason:
         return reason
-    ks = config["K_SPLIT"]
-    if ks not in (1, 2, 4) or m2k.block(-(-shape["K"] // ks)) * ks > m2k.block(shape["K"]):
-        return f"K_SPLIT={ks} must be 1, 2 or 4 with K/K_SPLIT >= 16 (K={shape['K']})"
-    return m2k.prefetch_reason(config)
+    return m2k.ksplit_reason(config, shape) or m2k.prefetch_reason(config)
 
 
 def target_reason(config: dict, target: str) -> str | None:
@@ -53,16 +50,12 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
     config = {**DEFAULTS, **config}
     e = 2 if m2k.dot_mode(config, shape) == 0 else 4          # fp32 operands unless DOT = input
     bv = m2k.block(shape["V"])
-    return e * (bv * bv + _bk(config, shape) * bv)
-
-
-def _bk(config: dict, shape: dict) -> int:
-    return m2k.block(-(-shape["K"] // config["K_SPLIT"]))
+    return e * (bv * bv + m2k.slab(config, shape) * bv)
 
 
 def _consts(config: dict, shape: dict, fast: bool) -> dict:
     return {"N": shape["N"], "KSPLIT": config["K_SPLIT"], "K": shape["K"], "V": shape["V"],
-            "BK": _bk(config, shape), "BV": m2k.block(shape["V"]), "HAS_H0": shape["h0"], "WRITE_Y": True,
+            "BK": m2k.slab(config, shape), "BV": m2k.block(shape["V"]), "HAS_H0": shape["h0"], "WRITE_Y": True,
             "CKPT": 0, "DOT": m2k.dot_mode(config, shape), "FAST": fast, "U": config["PREFETCH"]}
 
 

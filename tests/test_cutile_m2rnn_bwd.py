@@ -1,0 +1,211 @@
+"""The cuTile m2rnn_bwd lane on the CPU: ahead-of-time compiles (tileiras) of both kernels for sm_90a and
+sm_121a at the default shapes and the parity shape, the lane's refusals, and the kernels' own Python
+bodies run against the BPTT reference through a small torch stand-in for ``cuda.tile`` (checks the
+chunk / segment / scratch index arithmetic and the head broadcasting; not tileiras' lowering)."""
+from __future__ import annotations
+
+import os
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+# Imported, not importorskip: a missing DSL must fail the run, never skip it silently.
+from kernels.cutile import m2rnn_bwd as lane
+from lab import space
+from lab.problems import _m2rnn as m2
+from lab.problems.m2rnn_bwd import PROBLEM
+
+D = lane.DEFAULTS
+
+
+def cfg(**kw):
+    return {**D, **kw}
+
+
+def _shape(name):
+    return space.get_shape("m2rnn_bwd", name)
+
+
+# ---- AOT compiles -------------------------------------------------------------------------------
+
+_LIMIT = {"sm_90a": 232_448, "sm_121a": 101_376}
+
+
+def _check(got, config, shape, target):
+    assert got["binary"] == "cubin" and got["compile_s"] > 0
+    assert set(got["kernels"]) == {"forward", "backward"}
+    assert 0 < got["smem_bytes"] <= lane.smem_estimate(config, shape, target) <= _LIMIT[target], got
+    assert got["registers"] and got["registers"] <= 255, got
+
+
+@pytest.mark.parametrize("target,names", [("sm_90a", ["b8_n84", "parity"]), ("sm_121a", ["b4_n44", "parity"])])
+def test_default_compiles_without_spills(target, names):
+    """The defaults: forward at fwd_occupancy=4 (64 registers x 256 threads: 4 CTAs per SM) and backward
+    at occupancy=2 (128 x 256: 2 per SM), no stack (no spills) in either."""
+    for name in names:
+        shape = PROBLEM.parity_shapes(_shape("b4_n44"))[0] if name == "parity" else _shape(name)
+        got = lane.compile_for(D, shape, target)
+        _check(got, D, shape, target)
+        assert got["stack_bytes"] == 0, (name, got)
+        assert got["kernels"]["forward"]["registers"] <= 64 and got["kernels"]["backward"]["registers"] <= 128
+
+
+def test_sweep_config_compiles():
+    # fp32 at the ragged shape (fp32 products), chunked backward rows, Z kept, 8 worker warps.
+    shape = {**_shape("ragged_h0"), "dtype": "float32"}
+    c = cfg(T=4, LOADS="step", STORE_Z=True, FAST_TANH=False, num_worker_warps=8, occupancy=0, CKPT=32)
+    _check(lane.compile_for(c, shape, "sm_90a"), c, shape, "sm_90a")
+
+
+def test_fast_tanh_is_mufu():
+    """FAST_TANH is real: APPROX lowers to MUFU.TANH (tanh.approx.f32), FULL to a software tanh."""
+    import subprocess
+    import triton
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        pytest.skip("no cuobjdump in the Triton wheel to read the SASS")
+    counts = {}
+    for fast in (True, False):
+        cubin = lane.compile_cubins(cfg(FAST_TANH=fast), _shape("b2_n8"), "sm_90a", which=("forward",))["forward"]
+        path = Path(f"/tmp/_cutile_m2rnn_bwd_{os.getpid()}_{fast}.cubin")
+        path.write_bytes(cubin)
+        try:
+            counts[fast] = subprocess.run([str(tool), "-sass", str(path)], capture_output=True, text=True,
+                                          check=True).stdout.count("MUFU.TANH")
+        finally:
+            path.unlink()
+    assert counts[True] > 0 and counts[False] == 0, counts
+
+
+# ---- rules --------------------------------------------------------------------------------------
+
+def test_config_rules():
+    shape = _shape("b2_n8")
+    assert lane.config_reason(D, shape) is None
+    assert set(D) == set(lane.TUNABLES)
+    assert "CKPT" in lane.config_reason(cfg(CKPT=24), shape)
+    assert "T=" in lane.config_reason(cfg(T=32, CKPT=16), shape)
+    assert "T=" in lane.config_reason(cfg(T=3), shape)
+    assert "T_FWD" in lane.config_reason(cfg(T_FWD=64), shape)
+    assert "STORE_Z" in lane.config_reason(cfg(STORE_Z=1), shape)
+    assert "fwd_occupancy" in lane.config_reason(cfg(fwd_occupancy=33), shape)
+    assert "DOT" in lane.config_reason(cfg(DOT="fp8"), shape)
+    assert "LOADS" in lane.config_reason(cfg(LOADS="tma"), shape)
+    assert "FAST_TANH" in lane.config_reason(cfg(FAST_TANH=1), shape)
+    assert "num_worker_warps" in lane.config_reason(cfg(num_worker_warps=3), shape)
+    assert "dtype" in lane.config_reason(D, {**shape, "dtype": "float16"})
+    assert "exceeds" in lane.config_reason(D, {**shape, "K": 128})
+    assert "spill" in lane.config_reason(D, _shape("fp32_k64_v64"))
+    for name in ("b2_n8", "b4_n44", "b8_n84", "b4_n132", "ragged_h0"):
+        assert lane.config_reason(D, _shape(name)) is None, name
+        for parity in PROBLEM.parity_shapes(_shape(name)):
+            assert lane.config_reason(D, parity) is None, name
+
+
+def test_target_rules():
+    assert lane.eligibility("sm_90a") is None and lane.eligibility("sm_121a") is None
+    assert "sm_75" in lane.eligibility("sm_75")
+    with pytest.raises(ValueError, match="CKPT"):
+        lane.compile_for(cfg(CKPT=7), _shape("b2_n8"), "sm_90a")
+
+
+# ---- the kernel bodies on torch -----------------------------------------------------------------
+
+def _fake_ct():
+    """Enough of cuda.tile's surface for the two kernels, on CPU torch tensors (fp64 math)."""
+    f64 = torch.float64
+    t = types.SimpleNamespace()
+    t.Constant = type("Constant", (), {"__class_getitem__": classmethod(lambda cls, item: item)})
+    t.PaddingMode = types.SimpleNamespace(ZERO="zero")
+    t.RoundingMode = types.SimpleNamespace(APPROX="approx", FULL="full")
+    t.float32, t.tfloat32, t.bfloat16, t.int32 = f64, f64, torch.bfloat16, torch.int32
+    t.pid = 0
+    t.bid = lambda axis: t.pid
+    t.cdiv = lambda a, b: -(-a // b)
+
+    def load(arr, index, shape, padding_mode=None, **kw):
+        out = torch.zeros(shape, dtype=arr.dtype)
+        src = tuple(slice(i * s, min((i + 1) * s, n)) for i, s, n in zip(index, shape, arr.shape))
+        dst = tuple(slice(0, sl.stop - sl.start) for sl in src)
+        assert all(sl.stop > sl.start for sl in src), "tile wholly outside the array"
+        out[dst] = arr[src]
+        return out
+
+    def store(arr, index, tile, **kw):
+        shape = tile.shape
+        dst = tuple(slice(i * s, min((i + 1) * s, n)) for i, s, n in zip(index, shape, arr.shape))
+        arr[dst] = tile[tuple(slice(0, sl.stop - sl.start) for sl in dst)].to(arr.dtype)
+
+    def extract(x, index, shape):
+        return x[tuple(slice(i * s, (i + 1) * s) for i, s in zip(index, shape))]
+
+    t.load, t.store, t.extract = load, store, extract
+    t.zeros = lambda shape, dtype: torch.zeros(shape, dtype=dtype)
+    t.mma = lambda a, b, acc: a.to(f64) @ b.to(f64) + acc
+    t.tanh = lambda x, rounding_mode=None: torch.tanh(x)
+    t.transpose = lambda x: x.transpose(-1, -2)
+    t.sum = lambda x, axis=None: x.sum() if axis is None else x.sum(axis)
+    return t
+
+
+def _emulated_lane():
+    src = Path(lane.__file__).read_text().replace("import cuda.tile as ct\n", "")
+    fake = _fake_ct()
+    ns = {"__name__": "_emulated_cutile_m2rnn_bwd", "ct": fake}
+    exec(compile(src, lane.__file__, "exec"), ns)
+    return ns, fake
+
+
+@pytest.fixture
+def tile_methods(monkeypatch):
+    """Tile.astype on torch tensors, for the kernel bodies."""
+    monkeypatch.setattr(torch.Tensor, "astype", lambda self, dtype: self.to(dtype), raising=False)
+
+
+def _emulate(config, shape, inputs):
+    """lane.build's run with every ct.launch replaced by a loop over the programs."""
+    ns, fake = _emulated_lane()
+    config = {**D, **config}
+    c = ns["_consts"](config, shape)
+    B, S, N, K, V = (shape[d] for d in ("B", "S", "N", "K", "V"))
+    bk, bv, nseg, T = c["BK"], c["BV"], ns["_nseg"](config, shape), config["CKPT"]
+    f64 = {"dtype": torch.float64}
+    w = {"ckpt": torch.full((B * N, nseg, bk, bv), float("nan"), **f64),
+         "scratch": torch.full((B * N, T, bk, bv), float("nan"), **f64),
+         "zs": torch.full((B * N, T, bk, bv), float("nan"), **f64),
+         "dq": torch.full((B, S, N, K), float("nan"), **f64), "dk": torch.full((B, S, N, K), float("nan"), **f64),
+         "dv": torch.full((B, S, N, V), float("nan"), **f64), "df": torch.full((B, S, N, bv), float("nan"), **f64),
+         "dW": torch.full((B, N, V, V), float("nan"), **f64), "dh0": torch.full((B, N, K, V), float("nan"), **f64)}
+    i = inputs
+    h0 = i.get("h0", i["dh_final"])
+    fconsts = [c[n] if n != "HAS_H0" else bool(shape["h0"]) for n in ns["_FWD_CONSTS"]]
+    bconsts = [c[n] for n in ns["_BWD_CONSTS"]]
+    for pid in range(B * N):
+        fake.pid = pid
+        ns["_fwd_ckpt"](i["k"], i["v"], i["W"], i["f"], h0, w["ckpt"], nseg, *fconsts)
+    for pid in range(B * N):
+        fake.pid = pid
+        ns["_bwd"](i["q"], i["k"], i["v"], i["W"], i["f"], i["dy"], i["dh_final"], w["ckpt"], w["scratch"],
+                   w["zs"], w["dq"], w["dk"], w["dv"], w["df"], w["dW"], w["dh0"], S, nseg, *bconsts)
+    parts = {n: w[n] for n in ("dq", "dk", "dv", "dW", "dh0")}
+    parts["df"] = w["df"].sum(-1)
+    return m2.reduce_heads(parts, shape)
+
+
+@pytest.mark.parametrize("config,dtype", [(cfg(CKPT=8, T=4, T_FWD=2), "float32"), (cfg(), "bfloat16"),
+                                          (cfg(CKPT=16, T=8, LOADS="step", STORE_Z=True), "float32")])
+def test_kernel_bodies_match_bptt(config, dtype, tile_methods):
+    # Ragged S (not a multiple of T or CKPT), padded K and V, every head-sharing pattern, h0. fp64
+    # stands in for fp32 and bf16 operands (DOT=input) stay bf16-rounded, so the bound differs.
+    shape = {"B": 2, "S": 29, "N": 4, "Nq": 1, "Nk": 2, "Nw": 1, "Nf": 4, "K": 20, "V": 12, "h0": True,
+             "dtype": dtype}
+    inputs = {n: x.double() for n, x in m2.make_inputs(shape, "cpu", 3, backward=True).items()}
+    got = _emulate(config, shape, inputs)
+    ref = m2.bptt_backward(inputs, shape, torch.float64)
+    assert set(got) == set(ref)
+    for name in ref:
+        assert got[name].shape == ref[name].shape, name
+        err = (got[name] - ref[name]).norm() / ref[name].norm()
+        assert err < (1e-10 if lane.dot_mode(config, shape) == 3 else 2e-2), (name, float(err))
