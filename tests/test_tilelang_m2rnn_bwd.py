@@ -106,6 +106,9 @@ def test_target_rules_and_estimate():
     assert lane.target_reason({**D, "wgmma": True}, "sm_90a") is None
     assert lane.target_reason(D, "sm_121a") is None
     assert lane.eligibility("sm_75") and lane.eligibility("sm_121a") is None
-    # CKPT = 16 holds 92,800 B: over GB10's opt-in limit, under H100's.
-    big = lane.smem_estimate({**D, "CKPT": 16}, B2, "sm_121a")
+    # CKPT = 32 holds 176,896 B: over GB10's opt-in limit, under H100's.
+    big = lane.smem_estimate({**D, "CKPT": 32}, B2, "sm_121a")
     assert get_profile("gb10").smem_optin_bytes < big <= get_profile("h100").smem_optin_bytes
+    # A 128-step, 3-stage forward chunk (62,976 B of k / v / f buffers + W) outgrows a CKPT = 4 backward.
+    cfg = {**D, "CKPT": 4, "CHUNK": 128, "num_stages": 3}
+    assert lane.smem_estimate(cfg, B2, "sm_90a") == 63488

@@ -100,8 +100,9 @@ def config_reason(config: dict, shape: dict) -> str | None:
     K, V = shape["K"], shape["V"]
     if V != 16:
         return f"V={V} not supported: the lane is written for V = 16 (one 16-wide MMA tile per step)"
-    if K % 16 or not 16 <= K <= 128:
-        return f"K={K} must be a multiple of 16 in 16..128"
+    if K % 16 or not 16 <= K <= 64:
+        # the dW blocks are a (K/16 V)^2 fp32 fragment: 32 registers per thread at K = 64, 128 at 128
+        return f"K={K} must be a multiple of 16 in 16..64"
     if c["threads"] not in (32, 64, 128, 256):
         return f"threads={c['threads']} must be 32, 64, 128 or 256"
     if c["threads"] // 32 > K // 16:
@@ -144,20 +145,23 @@ def _align(n: int) -> int:
 
 
 def smem_estimate(config: dict, shape: dict, target: str) -> int:
-    """Shared memory per CTA of the backward kernel (the larger of the two), bytes: W (bf16 V x V); per
-    pipeline stage the checkpoint (fp32 K x V), the segment's q and k (bf16 CKPT x K), v and dy (bf16
-    CKPT x V) and gate (fp32 CKPT); hs and dxs (bf16 CKPT x K x V each); the staged dq and df row sums
-    (fp32 CKPT x K each). Each buffer 16-byte aligned; with wgmma on sm_90a the operand tiles of the dW
-    GEMM start on a 1 KiB boundary and the total is rounded up to 1 KiB (the descriptors' swizzle
-    atoms). Exact against the compiler for every config tried (tests/test_tilelang_m2rnn_bwd.py)."""
+    """Shared memory per CTA, bytes: the larger of the two kernels (both exact against the compiler for
+    every config tried; tests/test_tilelang_m2rnn_bwd.py and the preflight hold them to it).
+
+    Backward: W (bf16 V x V); per pipeline stage the checkpoint (fp32 K x V), the segment's q and k
+    (bf16 CKPT x K), v and dy (bf16 CKPT x V) and gate (fp32 CKPT); hs and dxs (bf16 CKPT x K x V each);
+    the staged dq and df row sums (fp32 CKPT x K each). With wgmma on sm_90a the dW GEMM's operand
+    tiles start on a 1 KiB boundary and the total is rounded up to 1 KiB (the descriptors' swizzle
+    atoms). Forward: W, and per stage a chunk of k (bf16 CHUNK x K), v (bf16 CHUNK x V) and the gate
+    (fp32 CHUNK). Every buffer 16-byte aligned."""
     c = {**DEFAULTS, **config}
-    K, V, L, st = shape["K"], shape["V"], c["CKPT"], c["num_stages"]
+    K, V, L, CH, st = shape["K"], shape["V"], c["CKPT"], c["CHUNK"], c["num_stages"]
     stage = sum(_align(x) for x in (4 * K * V, 2 * L * K, 2 * L * K, 2 * L * V, 2 * L * V, 4 * L))
     head = _align(2 * V * V) + st * stage
     tail = 2 * _align(2 * L * K * V) + 2 * _align(4 * L * K)
-    if c["wgmma"] and target == "sm_90a":
-        return _align_to(_align_to(head, 1024) + tail, 1024)
-    return head + tail
+    bwd = _align_to(_align_to(head, 1024) + tail, 1024) if c["wgmma"] and target == "sm_90a" else head + tail
+    fwd = _align(2 * V * V) + st * (_align(2 * CH * K) + _align(2 * CH * V) + _align(4 * CH))
+    return max(bwd, fwd)
 
 
 def _align_to(n: int, a: int) -> int:
