@@ -39,17 +39,13 @@ ownership of mma.sync m16n8k16 and movmatrix from the PTX ISA. All sizes in byte
 """
 from __future__ import annotations
 
-import os
-import tempfile
-import time
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
 import torch
 
-from kernels.cute.gemm import _cubin_resources, _launch_dynamic_smem
+from kernels.cute import _aot
 from lab.problems import _m2rnn as m2
 
 DSL = "cute"
@@ -600,21 +596,8 @@ def _compile(config: dict, shape: dict, target: str, backward: bool, options: st
 
 
 def _compile_one(config, shape, target, backward):
-    with tempfile.TemporaryDirectory(prefix=f"cute_m2rnn_{target}_") as d:
-        t0 = time.perf_counter()
-        fn = _compile(config, shape, target, backward, f"--keep-cubin --dump-dir {d}")
-        seconds = time.perf_counter() - t0
-        cubins = [os.path.join(d, f) for f in os.listdir(d) if f.endswith(".cubin")]
-        if len(cubins) != 1:
-            raise RuntimeError(f"expected one cubin in {d}, found {os.listdir(d)}")
-        from kernels import _cubin
-        with open(cubins[0], "rb") as fh:
-            res = _cubin.resources(fh.read())
-        dynamic = _launch_dynamic_smem(str(fn.ir_module))
-    static = res["static"] + res["reserved"]
-    return fn, {"smem_bytes": dynamic + static, "smem_dynamic": dynamic, "smem_static": static,
-                "registers": res["registers"], "stack": res["stack"], "compile_s": seconds, "binary": "cubin",
-                "kernel": res["kernel"]}
+    return _aot.compile_with_resources(lambda opts: _compile(config, shape, target, backward, opts),
+                                       f"cute_m2rnn_{target}_")
 
 
 def compile_for(config: dict, shape: dict, target: str) -> dict:

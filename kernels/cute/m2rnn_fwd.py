@@ -35,10 +35,6 @@ partitions (``_frag_tables``). Code written for this lab.
 """
 from __future__ import annotations
 
-import os
-import tempfile
-import time
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -46,8 +42,8 @@ import cutlass.memory
 import torch
 from cutlass.cute.nvgpu import cpasync
 
-from kernels import _cubin
-from kernels.cute.gemm import _launch_dynamic_smem, versions  # noqa: F401 (versions: lane interface)
+from kernels.cute import _aot
+from kernels.cute.gemm import versions  # noqa: F401 (versions: lane interface)
 
 DSL = "cute"
 KERNEL = "m2rnn_fwd"
@@ -551,20 +547,8 @@ def _compile(config: dict, shape: dict, target: str, options: str):
 
 
 def _compile_with_resources(config: dict, shape: dict, target: str):
-    with tempfile.TemporaryDirectory(prefix=f"cute_m2rnn_fwd_{target}_") as d:
-        t0 = time.perf_counter()
-        fn = _compile(config, shape, target, f"--keep-cubin --dump-dir {d}")
-        seconds = time.perf_counter() - t0
-        cubins = [os.path.join(d, f) for f in os.listdir(d) if f.endswith(".cubin")]
-        if len(cubins) != 1:
-            raise RuntimeError(f"expected one cubin in {d}, found {os.listdir(d)}")
-        with open(cubins[0], "rb") as f:
-            res = _cubin.resources(f.read())
-        dynamic = _launch_dynamic_smem(str(fn.ir_module))
-    static = res["static"] + res["reserved"]
-    return fn, {"smem_bytes": dynamic + static, "smem_dynamic": dynamic, "smem_static": static,
-                "registers": res["registers"], "stack": res["stack"], "compile_s": seconds, "binary": "cubin",
-                "kernel": res["kernel"]}
+    return _aot.compile_with_resources(lambda opts: _compile(config, shape, target, opts),
+                                       f"cute_m2rnn_fwd_{target}_")
 
 
 def compile_for(config: dict, shape: dict, target: str) -> dict:

@@ -234,20 +234,24 @@ def cubin_resources(cubin: bytes) -> dict:
             "registers": r["registers"], "stack_bytes": r["stack"]}
 
 
-def _compile_cubin(config: dict, shape: dict, gpu_code: str) -> bytes:
-    """Compile to a cubin through cuTile's export path, with its disk cache bypassed."""
+def export_cubin(kernel, signature, gpu_code: str) -> bytes:
+    """Compile ``kernel`` for one signature to a cubin through cuTile's export path, with its disk cache
+    bypassed (a real compile every time: no binary reuse). The M2RNN lanes use it too."""
     from cuda.tile._cext import default_tile_context
     from cuda.tile.compilation import export_kernel
 
     cfg = default_tile_context.config
-    saved, cfg.cache_dir = cfg.cache_dir, None  # a real compile every time: no binary reuse
+    saved, cfg.cache_dir = cfg.cache_dir, None
     try:
         buf = io.BytesIO()
-        export_kernel(_kernel(config), [_signature(config, shape)], buf, gpu_code=gpu_code,
-                      output_format="cubin")
+        export_kernel(kernel, [signature], buf, gpu_code=gpu_code, output_format="cubin")
     finally:
         cfg.cache_dir = saved
     return buf.getvalue()
+
+
+def _compile_cubin(config: dict, shape: dict, gpu_code: str) -> bytes:
+    return export_cubin(_kernel(config), _signature(config, shape), gpu_code)
 
 
 def compile_for(config: dict, shape: dict, target: str) -> dict:

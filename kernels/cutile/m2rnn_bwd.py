@@ -63,13 +63,12 @@ memory_model.rst, Tile IR memory model (docs.nvidia.com/cuda/tile-ir); kernels/c
 """
 from __future__ import annotations
 
-import io
 import time
 
 import torch
 import cuda.tile as ct
 
-from kernels.cutile.gemm import ARCHS, _arch, _gpu_code, cubin_resources, versions  # noqa: F401
+from kernels.cutile.gemm import ARCHS, _arch, _gpu_code, cubin_resources, export_cubin, versions  # noqa: F401
 from lab.problems import _m2rnn as m2
 
 DSL = "cutile"
@@ -391,20 +390,6 @@ def _signatures(config: dict, shape: dict):
     return KernelSignature(fwd, cc), KernelSignature(bwd, cc)
 
 
-def _export(kernel, sig, gpu_code: str) -> bytes:
-    """A cubin through cuTile's export path, its disk cache bypassed (a real compile every time)."""
-    from cuda.tile._cext import default_tile_context
-    from cuda.tile.compilation import export_kernel
-    cfg = default_tile_context.config
-    saved, cfg.cache_dir = cfg.cache_dir, None
-    try:
-        buf = io.BytesIO()
-        export_kernel(kernel, [sig], buf, gpu_code=gpu_code, output_format="cubin")
-    finally:
-        cfg.cache_dir = saved
-    return buf.getvalue()
-
-
 def compile_cubins(config: dict, shape: dict, target: str, which=("forward", "backward")) -> dict:
     """{"forward": cubin, "backward": cubin} (those in ``which``) for ``target`` (no GPU needed)."""
     config = {**DEFAULTS, **config}
@@ -413,7 +398,7 @@ def compile_cubins(config: dict, shape: dict, target: str, which=("forward", "ba
         raise ValueError(reason)
     kernels = dict(zip(("forward", "backward"), _kernels(config)))
     sigs = dict(zip(("forward", "backward"), _signatures(config, shape)))
-    return {name: _export(kernels[name], sigs[name], _gpu_code(target)) for name in which}
+    return {name: export_cubin(kernels[name], sigs[name], _gpu_code(target)) for name in which}
 
 
 def compile_for(config: dict, shape: dict, target: str) -> dict:

@@ -56,13 +56,12 @@ resources, launch info).
 """
 from __future__ import annotations
 
-import io
 import time
 
 import torch
 import cuda.tile as ct
 
-from kernels.cutile.gemm import ARCHS, _arch, _gpu_code, _launch_info, cubin_resources, eligibility
+from kernels.cutile.gemm import ARCHS, _arch, _gpu_code, _launch_info, cubin_resources, eligibility, export_cubin
 from kernels.cutile.gemm import versions  # noqa: F401  (the lane interface)
 
 DSL = "cutile"
@@ -314,17 +313,7 @@ def _signature(config: dict, shape: dict):
 
 
 def _compile_cubin(config: dict, shape: dict, gpu_code: str) -> bytes:
-    from cuda.tile._cext import default_tile_context
-    from cuda.tile.compilation import export_kernel
-    cfg = default_tile_context.config
-    saved, cfg.cache_dir = cfg.cache_dir, None
-    try:
-        buf = io.BytesIO()
-        export_kernel(_kernel(config), [_signature(config, shape)], buf, gpu_code=gpu_code,
-                      output_format="cubin")
-    finally:
-        cfg.cache_dir = saved
-    return buf.getvalue()
+    return export_cubin(_kernel(config), _signature(config, shape), gpu_code)
 
 
 def compile_for(config: dict, shape: dict, target: str) -> dict:
