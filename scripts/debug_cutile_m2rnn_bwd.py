@@ -9,7 +9,7 @@ against an fp32 forward / BPTT of the same inputs on the GPU (lab/problems/_m2rn
      value head) after that launch's walk (first bad segment, in walk order: last to first);
   3. per step t, the per-value-head dq, dk, dv, df (first bad t in walk order, i.e. the largest);
   4. the final outputs against lab.problems' reference (the check_lane.py verdict).
-With --inject the reference checkpoints and states (and Z for STORE_Z) overwrite the lane's after each launch,
+With --inject the reference checkpoints and states overwrite the lane's after each launch,
 so the walk runs on exact states: if the gradients turn right, the forward / recompute is at fault, else the walk.
 "Bad" is rel_l2 > 2e-2 (the bf16 band) or any non-finite value.
 """
@@ -114,8 +114,6 @@ def check(name, config, inject):
             if inject:
                 for i in range(lr):
                     w["sc"][so][:, i, :K, :V] = flat(states[jr * ck + i])
-                    if config["STORE_Z"]:
-                        w["zs"][so][:, i, :K, :V] = flat(z_all[jr * ck + i])
         if lw:
             dz = (m + 1) % 2
             eh = rel(w["dh"][dz][:, :K, :V], flat(dh_at[jw]))
@@ -131,7 +129,7 @@ def check(name, config, inject):
     torch.cuda.synchronize()
     print(f"  launch info {info}; first problems: {first or 'none in ckpt / scratch / dH / dW'}")
     w = run_work(run)
-    got = {"dq": w["dq"], "dk": w["dk"], "dv": w["dv"], "df": w["df"].sum(-1)}
+    got = {"dq": w["dq"], "dk": w["dk"], "dv": w["dv"], "df": w["df"]}
     for n, ref in g.items():
         x, r = got[n].float().transpose(0, 1).reshape(S, -1), ref.float().transpose(0, 1).reshape(S, -1)
         nonfinite_t = (~torch.isfinite(x)).sum(1)

@@ -1,65 +1,60 @@
 """cuTile lane for m2rnn_bwd: a checkpointing forward, then backprop through time per (batch row,
-value head). Math and layouts: lab/problems/_m2rnn.py; the contract copies kernels/triton/m2rnn_bwd.py
-(fp32 per-value-head gradient buffers, shared q / k / W / f heads and dW's batch sum folded by
-lab.problems._m2rnn.reduce_heads afterwards; df comes back as per-column partials [B, S, N, BV] that
-torch sums first).
+value head) in segment launches. Math and layouts: lab/problems/_m2rnn.py; the contract copies
+kernels/triton/m2rnn_bwd.py (fp32 per-value-head gradient buffers; shared q / k / W / f heads and dW's
+batch sum folded by lab.problems._m2rnn.reduce_heads afterwards).
 
-Kernel 1 (``_fwd_ckpt``), grid B*N: the fp32 state H [BK, BV] is a tile carried through the time loop;
-k, v, f are loaded once per chunk of T_FWD steps as [T_FWD, BK] / [T_FWD, BV] / [T_FWD] tiles and each
-step picks its row with ``ct.extract`` (dynamic row index; tileiras stages the chunk in shared memory and
-reads rows with LDS). The state before every CKPT-th step goes to ``ckpt`` [B*N, NSEG, BK, BV] (fp32);
-the kernel stops at the last checkpoint. Per step: ``ct.mma(H, W, k v^T)`` (operands per DOT; wgmma
-64x16x16 on sm_90a), ``ct.tanh``, the gate.
+Both kernels follow what the forward lane (kernels/cutile/m2rnn_fwd.py) learned from tileiras' sm_90a
+SASS: steps unrolled inside a chunk (``ct.static_iter``) so rows come out of chunk tiles at constant
+indices, per-step values stacked into chunk tiles with ``ct.insert`` and reduced once per chunk
+(a reduction over the BK rows crosses warps through shared memory with block barriers; one per step
+was the cost), one load and one store per chunk and array.
 
-Kernel 2 (``_seg``), grid B*N, launched NSEG + 1 times (``schedule``): launch m recomputes segment
-NSEG - m - 1 from its checkpoint into a global fp32 scratch [B*N, CKPT, BK, BV] (row i = the state before
-the segment's step i) and walks segment NSEG - m backwards from the scratch that launch m - 1 wrote. Two
-scratch buffers alternate (segment j in buffer j % 2) and dH [B*N, BK, BV] / dW [B*N, BV, BV] move between
-two fp32 buffer pairs (read m % 2, write (m + 1) % 2), so no launch reads an array it writes: every
-store -> load dependence crosses a kernel boundary. (The first version recomputed and walked in one
-program, reading back scratch it had just stored: cuTile documents no ordering of weak memory accesses
-across threads (its memory_model page), tileiras 13.5 lowered both the scratch stores and loads to TMA
-(UTMASTG / UTMALDG in separate warp-specialized regions of the sm_90a SASS, loads prefetched ahead),
-and on the H100 (2026-11-22) dq / dW / df, which need the read-back states, were non-finite at S=4096
-and wrong at ragged_h0 while dk / dv were nearly right: stale or uninitialized states, inferred from
-that pattern, not traced instruction by instruction.) The walk,
-chunk by chunk of T steps (k, v, f, q, dy rows as above), reads H_{t-1}, recomputes Z_t (one mma + tanh
-that does not depend on dH; STORE_Z keeps it from the recompute in a second scratch instead) and
-    dq_t = H_t dy_t;  G = dH + q_t dy_t^T;  df_t = sum(G (H_{t-1} - Z_t));  dX = (1 - f_t) G (1 - Z_t^2)
-    dW += H_{t-1}^T dX;  dk_t = dX v_t;  dv_t = dX^T k_t;  dH = mma(dX, W^T, f_t G)
-with dH a carried tile: only G -> dX -> mma -> dH is serial. Per-step gradients are small stores straight
-to the fp32 buffers (every row is written by the walk of its segment). The recompute and the walk of
-one launch are independent. Scratch traffic: every state is written once and read once (B*N*S*BK*BV*4
-bytes each way, 11 GB at b8_n84); a small CKPT keeps a segment's scratch (B*N*CKPT*BK*BV*4 bytes) in L2
-between the two launches, a large one means fewer launches. K and V are padded to powers of two >= 16
-(BK, BV): zero-padded loads keep the padded rows / columns of H and dH at zero, stores drop them; ragged
-S is zero-padded chunk loads plus dynamic step counts.
+Kernel 1 (``_fwd_ckpt``), grid B*N: the fp32 state H [BK, BV] is carried through chunks of T_FWD
+steps. It stores the state before every CKPT-th step to ``ckpt`` [B*N, NSEG, BK, BV] and, since dy is
+an input, the whole of dq_t = H_t dy_t (the states after each step stacked, reduced over V once per
+chunk), so the walk below has no dq work.
 
-cuTile gives no control of threads, registers or shared memory; tileiras chose (sm_90a AOT, b8_n84):
-forward 256 threads, backward 256 threads (384 when left to itself). Register use follows the occupancy
-hints: the defaults give the forward 64 registers (4 CTAs per SM) and the backward 128 (2 per SM), with
-no stack in either; higher hints spill. T > 1 in the backward puts the chunk tiles on the stack (about
-2.3 KB per chunk row at the compiler's occupancy), so the default backward loads one row set per step
-(T = 1) and lets tileiras pipeline the loads. Tunables:
-  CKPT              checkpoint interval (steps): ckpt B*N*ceil(S/CKPT)*BK*BV*4 bytes, two scratch
-                    buffers as above, ceil(S/CKPT) + 2 launches
-  T, T_FWD          rows per input chunk load, backward / forward (powers of two <= CKPT)
-  LOADS             backward inputs: "chunk" (chunk tiles + extract) or "step" (one load per row and step)
-  STORE_Z           keep Z_t in a second scratch during the recompute (walk loads it; no mma/tanh there)
-  DOT               operands of the per-step products for bf16 inputs: input (H, dX rounded to bf16,
-                    upstream's choice), tf32, tf32x3 (hi/lo split, ~fp32), ieee (fp32 mma); fp32
-                    inputs always use ieee (the problem's fp32 band needs fp32 products)
-  FAST_TANH         ct.tanh(rounding_mode=APPROX): MUFU.TANH (tanh.approx.f32; checked in the sm_90a
-                    SASS); false: RoundingMode.FULL, tileiras' exact software tanh (no MUFU.TANH)
+Kernel 2 (``_seg``), launched NSEG + 1 times (``schedule``): launch m recomputes segment
+NSEG - m - 1 from its checkpoint into a global fp32 scratch [B*N, CKPT, BK, BV] (row i: the state
+before the segment's step i; one [T, BK, BV] store per chunk) and walks segment NSEG - m backwards
+from the scratch the previous launch wrote. Scratch buffers alternate by segment parity and dH / dW
+move between two buffer pairs, so every store -> load dependence crosses a kernel boundary (cuTile
+orders no weak memory accesses across a program's threads: its memory_model page; the first version of
+this lane read back scratch it had stored in the same program and failed parity on the H100).
+ROLES = "split" runs the recompute and the walk as two programs (grid B*N x 2) that proceed side by
+side; "fused" runs both in one program, one after the other. The walk, per chunk of T steps
+(k, q as [BK, T], v, dy as [T, BV], f as [1, T] and the chunk's states as [T, BK, BV], one load each),
+from the last step to the first:
+    Z = tanh(H_{t-1} W + k_t v_t^T)      (recomputed; off the chain)
+    G = dH + q_t dy_t^T;  dX = (1 - f_t) G (1 - Z^2);  dH = dX W^T + f_t G   (the serial chain)
+    df partial: sum over V of G (H_{t-1} - Z)  (a row sum, no cross-warp traffic), stacked [BK, T]
+    dX stacked [T, BK, BV]
+and once per chunk: dk = sum_V dX v, dv = sum_K dX k, df = sum_K of the partials, and
+dW += H^T dX as one [BV, T*BK] x [T*BK, BV] product. Only G -> dX -> mma -> dH is serial.
+Steps past a ragged S read zero q / k / v / dy and get f = 1, so they leave dH unchanged and add
+nothing; stores drop rows past S. K and V are padded to powers of two >= 16 (BK, BV): zero-padded
+loads keep padded rows / columns of H and dH at zero.
+
+Scratch traffic: every state is written once and read once (B*N*S*BK*BV*4 bytes each way, 11 GB at
+b8_n84); a small CKPT keeps a segment's scratch (B*N*CKPT*BK*BV*4 bytes) in L2 between launches, a
+large one means fewer launches.
+
+cuTile gives no control of threads, registers or shared memory; tileiras decides them under the
+occupancy hints. Tunables:
+  CKPT              checkpoint interval (steps): ceil(S/CKPT) + 2 launches
+  T, T_FWD          steps per chunk of the walk / recompute and of the forward (unrolled)
+  ROLES             "split" (recompute and walk as separate programs) or "fused"
+  DOT               operands of the products for bf16 inputs: input (bf16, upstream's choice), tf32,
+                    tf32x3 (hi/lo split, ~fp32), ieee (fp32 mma); fp32 inputs always use ieee
+  FAST_TANH         ct.tanh(rounding_mode=APPROX) (MUFU.TANH) vs RoundingMode.FULL
   num_worker_warps  @ct.kernel hint for both kernels: 0 (compiler), 4 or 8 (cuda-tile 1.7.0 emits
                     bytecode 13.4, where other values are refused)
   occupancy, fwd_occupancy  @ct.kernel CTAs-per-SM hints of the backward / forward (0 = compiler)
 
 Read to learn the API (no code copied): cuda-tile 1.7.0 installed source (cuda/tile/_stub.py docstrings
-of load/store/extract/mma/tanh, _memory_model.py, _ir/ops.py extract, _passes/token_order.py,
-_execution.py kernel hints, _compile.py bytecode versions), NVIDIA/cutile-python samples/templates/AttentionFMHA.py and
-test/kernels/attention.py (a loop carrying tiles through ct.mma), docs/source/performance.rst and
-memory_model.rst, Tile IR memory model (docs.nvidia.com/cuda/tile-ir); kernels/cutile/gemm.py (export).
+of load (order) / store / extract / insert / static_iter / mma / tanh, _memory_model.py, _execution.py
+kernel hints, _compile.py bytecode versions), NVIDIA/cutile-python samples AttentionFMHA.py, docs
+performance.rst and memory_model.rst; kernels/cutile/gemm.py (export) and m2rnn_fwd.py (this lab).
 """
 from __future__ import annotations
 
@@ -73,16 +68,16 @@ from lab.problems import _m2rnn as m2
 
 DSL = "cutile"
 KERNEL = "m2rnn_bwd"
-TUNABLES = ("CKPT", "T", "T_FWD", "LOADS", "STORE_Z", "DOT", "FAST_TANH", "num_worker_warps", "occupancy",
-            "fwd_occupancy")
-DEFAULTS = {"CKPT": 32, "T": 1, "T_FWD": 16, "LOADS": "chunk", "STORE_Z": False, "DOT": "input", "FAST_TANH": True,
-            "num_worker_warps": 0, "occupancy": 2, "fwd_occupancy": 4}
+TUNABLES = ("CKPT", "T", "T_FWD", "ROLES", "DOT", "FAST_TANH", "num_worker_warps", "occupancy", "fwd_occupancy")
+DEFAULTS = {"CKPT": 32, "T": 8, "T_FWD": 16, "ROLES": "split", "DOT": "input", "FAST_TANH": True,
+            "num_worker_warps": 0, "occupancy": 2, "fwd_occupancy": 3}
 TARGETS = tuple(f"sm_{a}a" if a in (90, 100, 103, 110, 120, 121) else f"sm_{a}" for a in ARCHS)
 DTYPES = ("float32", "bfloat16")
 DOTS = ("input", "tf32", "tf32x3", "ieee")
-LOADS = ("chunk", "step")
-CKPTS = (8, 16, 32, 64, 128, 256)
-MAX_BK, MAX_BV = 64, 32   # larger state tiles spill (fp32 K = V = 64, sm_90a AOT: 4 KB / 10 KB of stack)
+ROLES = ("split", "fused")
+CKPTS = (16, 32, 64, 128, 256)
+CHUNKS = (4, 8, 16)
+MAX_BK, MAX_BV = 64, 32
 _CT = {"float32": ct.float32, "bfloat16": ct.bfloat16}
 _ELEM = {"float32": 4, "bfloat16": 2}
 
@@ -121,126 +116,141 @@ def _load_w(W, nw, BV):
     return ct.load(W, (nw, 0, 0), (1, BV, BV), padding_mode=ZERO).reshape((BV, BV)).astype(F32)
 
 
-def _chunk(x, b, c, h, T, BX):
-    """Steps [c*T, c*T + T) of head h of x [B, S, H, X] as a [T, BX] fp32 tile (zeros past S and X)."""
-    return ct.load(x, (b, c, h, 0), (1, T, 1, BX), padding_mode=ZERO).reshape((T, BX)).astype(F32)
+def _cols(x, b, h, c, T, BX):
+    """Steps [c*T, c*T + T) of head h of x [B, S, H, X] as a [BX, T] fp32 tile (one step per column;
+    zeros past S and X)."""
+    return ct.load(x, (b, h, 0, c), (1, 1, BX, T), order=(0, 2, 3, 1), padding_mode=ZERO).reshape((BX, T)).astype(F32)
 
 
-def _fchunk(f, b, c, h, T):
-    return ct.load(f, (b, c, h), (1, T, 1), padding_mode=ZERO).reshape((T,)).astype(F32)
+def _rows(x, b, h, c, T, BX):
+    """The same steps as a [T, BX] fp32 tile (one step per row)."""
+    return ct.load(x, (b, h, c, 0), (1, 1, T, BX), order=(0, 2, 1, 3), padding_mode=ZERO).reshape((T, BX)).astype(F32)
 
 
-def _row(xc, i, BX):
-    return ct.extract(xc, (i, 0), (1, BX))                     # [1, BX]
+def _gates(f, b, h, c, T, S):
+    """f of steps [c*T, c*T + T) as [1, T] fp32, 1 past S (a step that keeps the state as it is)."""
+    fc = ct.load(f, (b, h, c), (1, 1, T), order=(0, 2, 1), padding_mode=ZERO).reshape((1, T)).astype(F32)
+    pos = ct.arange(T, dtype=ct.int32).reshape((1, T)) + c * T
+    return ct.where(pos < S, fc, 1.0)
 
 
-def _pick(x, xc, b, t, h, i, BX, STEP):
-    """Row of step t (chunk row i) as [1, BX] fp32: from the chunk tile, or (STEP) loaded by itself."""
-    if STEP:
-        return ct.load(x, (b, t, h, 0), (1, 1, 1, BX), padding_mode=ZERO).reshape((1, BX)).astype(F32)
-    return _row(xc, i, BX)
+def _step(h, w, kc, vc, ff, i, BK, BV, DOT, FAST):
+    """(Z, H') of step i of a chunk from the state h: Z = tanh(h W + k v^T), H' = f h + (1 - f) Z."""
+    ft = ct.extract(ff, (0, i), (1, 1))
+    z = _tanh(_prod(h, w, ct.extract(kc, (0, i), (BK, 1)) * ct.extract(vc, (i, 0), (1, BV)), DOT, True), FAST)
+    return z, ft * h + (1.0 - ft) * z
 
 
-def _fpick(f, fc, b, t, h, i, STEP):
-    if STEP:
-        return ct.load(f, (b, t, h), (1, 1, 1)).reshape((1, 1)).astype(F32)
-    return ct.extract(fc, (i,), (1,)).reshape((1, 1))
-
-
-def _fwd_ckpt(k, v, W, f, h0, ckpt, NSEG: int,
+def _fwd_ckpt(k, v, W, f, dy, h0, ckpt, dq,
               N: C, GK: C, GW: C, GF: C, BK: C, BV: C, CKPT: C, T: C, HAS_H0: CB, DOT: C, FAST: CB):
-    """States H_{j*CKPT} (j < NSEG) of one (batch row, value head) into ckpt [B*N, NSEG, BK, BV]."""
+    """Grid B*N. States H_{j*CKPT - 1} into ckpt [B*N, NSEG, BK, BV]; dq_t = H_t dy_t (per value head)
+    into dq [B, S, N, K] fp32."""
     bn = ct.bid(0)
     b = bn // N
     n = bn % N
+    S = v.shape[1]
     w = _load_w(W, n // GW, BV)
     if HAS_H0:
         h = ct.load(h0, (b, n, 0, 0), (1, 1, BK, BV), padding_mode=ZERO).reshape((BK, BV)).astype(F32)
     else:
         h = ct.zeros((BK, BV), dtype=F32)
     per = CKPT // T
-    for j in range(NSEG - 1):
+    nch = ct.cdiv(S, T)
+    for j in range(ct.cdiv(S, CKPT)):
         ct.store(ckpt, (bn, j, 0, 0), h.reshape((1, 1, BK, BV)))
-        for cc in range(per):
+        for cc in range(min(per, nch - j * per)):
             c = j * per + cc
-            kc = _chunk(k, b, c, n // GK, T, BK)
-            vc = _chunk(v, b, c, n, T, BV)
-            fc = _fchunk(f, b, c, n // GF, T)
-            for i in range(T):
-                kt = _row(kc, i, BK).reshape((BK, 1))
-                ft = ct.extract(fc, (i,), (1,)).reshape((1, 1))
-                z = _tanh(_prod(h, w, kt * _row(vc, i, BV), DOT, True), FAST)
-                h = ft * h + (1.0 - ft) * z
-    ct.store(ckpt, (bn, NSEG - 1, 0, 0), h.reshape((1, 1, BK, BV)))
+            kc = _cols(k, b, n // GK, c, T, BK)
+            vc = _rows(v, b, n, c, T, BV)
+            ff = _gates(f, b, n // GF, c, T, S)
+            hs = ct.zeros((T, BK, BV), dtype=F32)
+            for i in ct.static_iter(range(T)):
+                z, h = _step(h, w, kc, vc, ff, i, BK, BV, DOT, FAST)
+                hs = ct.insert(hs, (i, 0, 0), h.reshape((1, BK, BV)))
+            dqc = ct.sum(hs * _rows(dy, b, n, c, T, BV).reshape((T, 1, BV)), axis=2)        # [T, BK]
+            ct.store(dq, (b, n, c, 0), dqc.reshape((1, 1, T, BK)), order=(0, 2, 1, 3))
 
 
-def _seg(q, k, v, W, f, dy, ckpt, sc_in, zs_in, sc_out, zs_out, dh_in, dw_in, dh_out, dw_out,
-         dq, dk, dv, df, jw: int, Lw: int, jr: int, Lr: int,
-         N: C, GQ: C, GK: C, GW: C, GF: C, BK: C, BV: C, CKPT: C, T: C, DOT: C, FAST: CB, STEP: CB, ZS: CB):
-    """One launch of the backward for one (batch row, value head): recompute segment jr (Lr steps, none
-    when Lr = 0) from its checkpoint into sc_out / zs_out, and walk segment jw (Lw steps, none when
-    Lw = 0) backwards from the states that the previous launch left in sc_in / zs_in, carrying dH and
-    dW from dh_in / dw_in to dh_out / dw_out. No array is both read and written here."""
-    bn = ct.bid(0)
-    b = bn // N
-    n = bn % N
-    w = _load_w(W, n // GW, BV)
-    per = CKPT // T
-    # Recompute: sc_out[i] = H_{t0 + i - 1}, the state before step t0 + i of segment jr.
+def _recompute(k, v, w, f, ckpt, sc, b, n, bn, jr, Lr, S,
+               GK, GF, BK, BV, CKPT, T, DOT, FAST):
+    """sc[bn, i] = the state before step jr*CKPT + i, for the Lr steps of segment jr (whole chunks)."""
     h = ct.load(ckpt, (bn, jr, 0, 0), (1, 1, BK, BV)).reshape((BK, BV))
+    per = CKPT // T
     for c in range(ct.cdiv(Lr, T)):
-        kc = _chunk(k, b, jr * per + c, n // GK, T, BK)
-        vc = _chunk(v, b, jr * per + c, n, T, BV)
-        fc = _fchunk(f, b, jr * per + c, n // GF, T)
-        for i in range(min(T, Lr - c * T)):
-            ct.store(sc_out, (bn, c * T + i, 0, 0), h.reshape((1, 1, BK, BV)))
-            kt = _row(kc, i, BK).reshape((BK, 1))
-            ft = ct.extract(fc, (i,), (1,)).reshape((1, 1))
-            z = _tanh(_prod(h, w, kt * _row(vc, i, BV), DOT, True), FAST)
-            if ZS:
-                ct.store(zs_out, (bn, c * T + i, 0, 0), z.reshape((1, 1, BK, BV)))
-            h = ft * h + (1.0 - ft) * z
-    # Walk segment jw backwards.
+        cg = jr * per + c
+        kc = _cols(k, b, n // GK, cg, T, BK)
+        vc = _rows(v, b, n, cg, T, BV)
+        ff = _gates(f, b, n // GF, cg, T, S)
+        hs = ct.zeros((T, BK, BV), dtype=F32)
+        for i in ct.static_iter(range(T)):
+            hs = ct.insert(hs, (i, 0, 0), h.reshape((1, BK, BV)))
+            z, h = _step(h, w, kc, vc, ff, i, BK, BV, DOT, FAST)
+        ct.store(sc, (bn, c, 0, 0), hs.reshape((1, T, BK, BV)))
+
+
+def _walk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
+          GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST):
+    """Backprop through the Lw steps of segment jw from the states in sc; dH / dW in from dh_in / dw_in,
+    out to dh_out / dw_out."""
     wt = ct.transpose(w)
     dH = ct.load(dh_in, (bn, 0, 0), (1, BK, BV)).reshape((BK, BV))
     dw = ct.load(dw_in, (bn, 0, 0), (1, BV, BV)).reshape((BV, BV))
+    per = CKPT // T
     nch = ct.cdiv(Lw, T)
     for cc in range(nch):
         c = nch - 1 - cc
         cg = jw * per + c
-        if STEP:
-            kc, vc, qc, dyc, fc = k, v, q, dy, f      # unused: rows are loaded per step
-        else:
-            kc = _chunk(k, b, cg, n // GK, T, BK)
-            vc = _chunk(v, b, cg, n, T, BV)
-            qc = _chunk(q, b, cg, n // GQ, T, BK)
-            dyc = _chunk(dy, b, cg, n, T, BV)
-            fc = _fchunk(f, b, cg, n // GF, T)
-        steps = min(T, Lw - c * T)
-        for ii in range(steps):
-            i = steps - 1 - ii
-            t = cg * T + i
-            hp = ct.load(sc_in, (bn, c * T + i, 0, 0), (1, 1, BK, BV)).reshape((BK, BV))
-            kt = _pick(k, kc, b, t, n // GK, i, BK, STEP).reshape((BK, 1))
-            vt = _pick(v, vc, b, t, n, i, BV, STEP)
-            qt = _pick(q, qc, b, t, n // GQ, i, BK, STEP).reshape((BK, 1))
-            dyt = _pick(dy, dyc, b, t, n, i, BV, STEP)
-            ft = _fpick(f, fc, b, t, n // GF, i, STEP)
-            if ZS:
-                z = ct.load(zs_in, (bn, c * T + i, 0, 0), (1, 1, BK, BV)).reshape((BK, BV))
-            else:
-                z = _tanh(_prod(hp, w, kt * vt, DOT, True), FAST)
-            ht = ft * hp + (1.0 - ft) * z
-            G = dH + qt * dyt
+        kc = _cols(k, b, n // GK, cg, T, BK)
+        qc = _cols(q, b, n // GQ, cg, T, BK)
+        vc = _rows(v, b, n, cg, T, BV)
+        dyc = _rows(dy, b, n, cg, T, BV)
+        ff = _gates(f, b, n // GF, cg, T, S)
+        hs = ct.load(sc, (bn, c, 0, 0), (1, T, BK, BV)).reshape((T, BK, BV))
+        dxs = ct.zeros((T, BK, BV), dtype=F32)
+        dfs = ct.zeros((BK, T), dtype=F32)
+        for ii in ct.static_iter(range(T)):
+            i = T - 1 - ii
+            hp = ct.extract(hs, (i, 0, 0), (1, BK, BV)).reshape((BK, BV))
+            ft = ct.extract(ff, (0, i), (1, 1))
+            z = _tanh(_prod(hp, w, ct.extract(kc, (0, i), (BK, 1)) * ct.extract(vc, (i, 0), (1, BV)), DOT, True),
+                      FAST)
+            G = dH + ct.extract(qc, (0, i), (BK, 1)) * ct.extract(dyc, (i, 0), (1, BV))
             dX = (1.0 - ft) * G * (1.0 - z * z)
             dH = _prod(dX, wt, ft * G, DOT, True)
-            dw = _prod(ct.transpose(hp), dX, dw, DOT, False)
-            ct.store(dq, (b, t, n, 0), ct.sum(ht * dyt, axis=1).reshape((1, 1, 1, BK)))
-            ct.store(dk, (b, t, n, 0), ct.sum(dX * vt, axis=1).reshape((1, 1, 1, BK)))
-            ct.store(dv, (b, t, n, 0), ct.sum(dX * kt, axis=0).reshape((1, 1, 1, BV)))
-            ct.store(df, (b, t, n, 0), ct.sum(G * (hp - z), axis=0).reshape((1, 1, 1, BV)))
+            dfs = ct.insert(dfs, (0, i), ct.sum(G * (hp - z), axis=1, keepdims=True))
+            dxs = ct.insert(dxs, (i, 0, 0), dX.reshape((1, BK, BV)))
+        dkc = ct.sum(dxs * vc.reshape((T, 1, BV)), axis=2)                                  # [T, BK]
+        dvc = ct.sum(dxs * ct.permute(kc, (1, 0)).reshape((T, BK, 1)), axis=1)              # [T, BV]
+        dfc = ct.sum(dfs, axis=0)                                                            # [T]
+        dw = _prod(ct.permute(hs, (2, 0, 1)).reshape((BV, T * BK)), dxs.reshape((T * BK, BV)), dw, DOT, False)
+        ct.store(dk, (b, n, cg, 0), dkc.reshape((1, 1, T, BK)), order=(0, 2, 1, 3))
+        ct.store(dv, (b, n, cg, 0), dvc.reshape((1, 1, T, BV)), order=(0, 2, 1, 3))
+        ct.store(df, (b, n, cg), dfc.reshape((1, 1, T)), order=(0, 2, 1))
     ct.store(dh_out, (bn, 0, 0), dH.reshape((1, BK, BV)))
     ct.store(dw_out, (bn, 0, 0), dw.reshape((1, BV, BV)))
+
+
+def _seg(q, k, v, W, f, dy, ckpt, sc_in, sc_out, dh_in, dw_in, dh_out, dw_out, dk, dv, df,
+         jw: int, Lw: int, jr: int, Lr: int,
+         N: C, GQ: C, GK: C, GW: C, GF: C, BK: C, BV: C, CKPT: C, T: C, DOT: C, FAST: CB, SPLIT: CB):
+    """One segment launch for one (batch row, value head): recompute segment jr (Lr steps, none when
+    Lr = 0) into sc_out, and walk segment jw (Lw steps, none when Lw = 0) from sc_in. With SPLIT the
+    grid is B*N x 2 and bid(1) picks the role. No array is both read and written here."""
+    bn = ct.bid(0)
+    b = bn // N
+    n = bn % N
+    S = v.shape[1]
+    w = _load_w(W, n // GW, BV)
+    if SPLIT:
+        if ct.bid(1) == 0:
+            _recompute(k, v, w, f, ckpt, sc_out, b, n, bn, jr, Lr, S, GK, GF, BK, BV, CKPT, T, DOT, FAST)
+        else:
+            _walk(q, k, v, w, f, dy, sc_in, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
+                  GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST)
+    else:
+        _recompute(k, v, w, f, ckpt, sc_out, b, n, bn, jr, Lr, S, GK, GF, BK, BV, CKPT, T, DOT, FAST)
+        _walk(q, k, v, w, f, dy, sc_in, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
+              GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST)
 
 
 def schedule(nseg: int, S: int, ckpt: int) -> list[tuple[int, int, int, int]]:
@@ -286,17 +296,17 @@ def config_reason(config: dict, shape: dict) -> str | None:
         return f"dtype {shape['dtype']} not supported (have {', '.join(DTYPES)})"
     if _block(shape["K"]) > MAX_BK or _block(shape["V"]) > MAX_BV:
         return (f"K={shape['K']}, V={shape['V']}: the padded state tile [{_block(shape['K'])}, {_block(shape['V'])}] "
-                f"exceeds [{MAX_BK}, {MAX_BV}]; tileiras spills such tiles (fp32 K = V = 64: 4 KB forward and "
-                f"10 KB backward stack per thread, sm_90a)")
+                f"exceeds [{MAX_BK}, {MAX_BV}]: the chunk stacks of T such tiles would spill")
     if config["CKPT"] not in CKPTS:
         return f"CKPT={config['CKPT']} must be one of {', '.join(map(str, CKPTS))}"
     for key in ("T", "T_FWD"):
-        if config[key] not in (1, 2, 4, 8, 16, 32) or config[key] > config["CKPT"]:
-            return f"{key}={config[key]} must be 1, 2, 4, 8, 16 or 32 and at most CKPT={config['CKPT']}"
-    if not isinstance(config["STORE_Z"], bool):
-        return "STORE_Z must be true or false"
-    if config["LOADS"] not in LOADS:
-        return f"LOADS={config['LOADS']!r} must be one of {', '.join(LOADS)}"
+        if config[key] not in CHUNKS or config[key] > config["CKPT"]:
+            return f"{key}={config[key]} must be one of {', '.join(map(str, CHUNKS))} and at most CKPT={config['CKPT']}"
+    if _block(shape["K"]) * _block(shape["V"]) * config["T"] > 16_384:
+        return (f"T={config['T']} stacked states of [{_block(shape['K'])}, {_block(shape['V'])}] exceed 16K fp32 "
+                f"(a CTA's registers)")
+    if config["ROLES"] not in ROLES:
+        return f"ROLES={config['ROLES']!r} must be one of {', '.join(ROLES)}"
     if config["DOT"] not in DOTS:
         return f"DOT={config['DOT']!r} must be one of {', '.join(DOTS)}"
     if not isinstance(config["FAST_TANH"], bool):
@@ -325,30 +335,28 @@ def target_reason(config: dict, target: str) -> str | None:
     return None
 
 
+_SMEM_OPTIN = {80: 166_912, 87: 166_912, 90: 232_448, 100: 232_448, 103: 232_448, 110: 232_448}
+
+
 def smem_estimate(config: dict, shape: dict, target: str) -> int:
-    """Shared memory per CTA, bytes: the larger kernel's (the backward's), a bound fitted to AOT compiles
-    rather than derived, since tileiras alone decides what it stages (W operand descriptors, layout
-    conversions of the per-step rows and reductions). At BK x BV = 64 x 16 the segment kernel compiled to
-    45.6-47.6 KB (CKPT 8..256, T 1..4) on sm_90a and sm_121a, 49.7 KB with LOADS=step, 55.7 KB with
-    STORE_Z, 63.8 KB with num_worker_warps=8 (b8_n84, sm_90a); the forward 13.9-18.7 KB.
-    Bound: 52 KB per 1024 state elements, plus 16 KB for 8 worker warps and 24 KB for STORE_Z. The
-    compiled figure (compile_for) is the exact one; the tests hold compiled <= estimate."""
-    config = {**DEFAULTS, **config}
-    scale = max(1.0, _block(shape["K"]) * _block(shape["V"]) / 1024)
-    return int(53_248 * scale) + 16_384 * (config["num_worker_warps"] == 8) + 24_576 * bool(config["STORE_Z"])
+    """Shared memory per CTA, bytes: an upper bound, the target's opt-in per-block limit. tileiras alone
+    decides what it stages (TMA landing buffers of the chunk tiles and the [T, BK, BV] scratch chunk,
+    layout conversions for the per-step rows and the once-per-chunk reductions), sized to the target and
+    the occupancy hint, so the analytic figure is only this bound; ``compile_for`` gives the exact one
+    and the preflight uses it."""
+    return _SMEM_OPTIN.get(_arch(target), 101_376)
 
 
 def _consts(config: dict, shape: dict) -> dict:
     N = shape["N"]
     return {"N": N, "GQ": N // shape["Nq"], "GK": N // shape["Nk"], "GW": N // shape["Nw"], "GF": N // shape["Nf"],
             "BK": _block(shape["K"]), "BV": _block(shape["V"]), "CKPT": config["CKPT"], "T": config["T"],
-            "T_FWD": config["T_FWD"],
-            "DOT": dot_mode(config, shape), "FAST": bool(config["FAST_TANH"]), "STEP": config["LOADS"] == "step",
-            "ZS": bool(config["STORE_Z"])}
+            "T_FWD": config["T_FWD"], "DOT": dot_mode(config, shape), "FAST": bool(config["FAST_TANH"]),
+            "SPLIT": config["ROLES"] == "split"}
 
 
 _FWD_CONSTS = ("N", "GK", "GW", "GF", "BK", "BV", "CKPT", "T_FWD", "HAS_H0", "DOT", "FAST")
-_BWD_CONSTS = ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "CKPT", "T", "DOT", "FAST", "STEP", "ZS")
+_BWD_CONSTS = ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "CKPT", "T", "DOT", "FAST", "SPLIT")
 
 
 def _nseg(config: dict, shape: dict) -> int:
@@ -376,16 +384,14 @@ def _signatures(config: dict, shape: dict):
     dt, bk, bv, nseg = shape["dtype"], _block(K), _block(V), _nseg(config, shape)
     c = {**_consts(config, shape), "HAS_H0": bool(shape["h0"])}
     i32 = ScalarConstraint(ct.int32)
-    k, v = _array(dt, (B, S, shape["Nk"], K)), _array(dt, (B, S, N, V))
-    W, f = _array(dt, (shape["Nw"], V, V)), _array(dt, (B, S, shape["Nf"]))
-    state, ck = _array(dt, (B, N, K, V)), _array("float32", (B * N, nseg, bk, bv))
-    fwd = [k, v, W, f, state, ck, i32] + [c[n] for n in _FWD_CONSTS]
     g = lambda *s: _array("float32", s)  # noqa: E731
-    sc, zs = g(B * N, config["CKPT"], bk, bv), g(B * N, config["CKPT"] if config["STORE_Z"] else 1, bk, bv)
-    dh, dw = g(B * N, bk, bv), g(B * N, bv, bv)
-    bwd = [_array(dt, (B, S, shape["Nq"], K)), k, v, W, f, _array(dt, (B, S, N, V)), ck, sc, zs, sc, zs,
-           dh, dw, dh, dw, g(B, S, N, K), g(B, S, N, K), g(B, S, N, V), g(B, S, N, bv),
-           i32, i32, i32, i32] + [c[n] for n in _BWD_CONSTS]
+    k, v, dy = _array(dt, (B, S, shape["Nk"], K)), _array(dt, (B, S, N, V)), _array(dt, (B, S, N, V))
+    W, f = _array(dt, (shape["Nw"], V, V)), _array(dt, (B, S, shape["Nf"]))
+    ck = g(B * N, nseg, bk, bv)
+    fwd = [k, v, W, f, dy, _array(dt, (B, N, K, V)), ck, g(B, S, N, K)] + [c[n] for n in _FWD_CONSTS]
+    sc, dh, dw = g(B * N, config["CKPT"], bk, bv), g(B * N, bk, bv), g(B * N, bv, bv)
+    bwd = [_array(dt, (B, S, shape["Nq"], K)), k, v, W, f, dy, ck, sc, sc, dh, dw, dh, dw,
+           g(B, S, N, K), g(B, S, N, V), g(B, S, N), i32, i32, i32, i32] + [c[n] for n in _BWD_CONSTS]
     cc = CallingConvention.cutile_python_v1()
     return KernelSignature(fwd, cc), KernelSignature(bwd, cc)
 
@@ -420,7 +426,8 @@ def build(config: dict, shape: dict):
     c = _consts(config, shape)
     B, S, N, K, V = (shape[d] for d in ("B", "S", "N", "K", "V"))
     bk, bv, nseg = c["BK"], c["BV"], _nseg(config, shape)
-    grid = (B * N, 1, 1)
+    grid_fwd = (B * N, 1, 1)
+    grid = (B * N, 2 if c["SPLIT"] else 1, 1)
     plan = schedule(nseg, S, config["CKPT"])
     work: dict = {}
 
@@ -431,20 +438,18 @@ def build(config: dict, shape: dict):
         dev = i["v"].device
         if work.get("dev") != dev:
             f32 = {"dtype": torch.float32, "device": dev}
-            nz = config["CKPT"] if config["STORE_Z"] else 1
             work.clear()
             work.update(dev=dev, ckpt=torch.empty(B * N, nseg, bk, bv, **f32),
                         sc=[torch.empty(B * N, config["CKPT"], bk, bv, **f32) for _ in range(2)],
-                        zs=[torch.empty(B * N, nz, bk, bv, **f32) for _ in range(2)],
                         dh=[torch.zeros(B * N, bk, bv, **f32) for _ in range(2)],
                         dw=[torch.zeros(B * N, bv, bv, **f32) for _ in range(2)],
                         dq=torch.empty(B, S, N, K, **f32), dk=torch.empty(B, S, N, K, **f32),
-                        dv=torch.empty(B, S, N, V, **f32), df=torch.empty(B, S, N, bv, **f32))
+                        dv=torch.empty(B, S, N, V, **f32), df=torch.empty(B, S, N, **f32))
         w = work
         stream = torch.cuda.current_stream()
         h0 = i.get("h0", i["dh_final"])        # not read when there is no h0
-        ct.launch(stream, grid, fwd, (i["k"], i["v"], i["W"], i["f"], h0, w["ckpt"], nseg,
-                                      *(c[n] if n != "HAS_H0" else bool(shape["h0"]) for n in _FWD_CONSTS)))
+        ct.launch(stream, grid_fwd, fwd, (i["k"], i["v"], i["W"], i["f"], i["dy"], h0, w["ckpt"], w["dq"],
+                                          *(c[n] if n != "HAS_H0" else bool(shape["h0"]) for n in _FWD_CONSTS)))
         if trace is not None:
             trace(-1, w)
         # dH starts at dh_final, dW at zero; padded rows / columns stay zero throughout.
@@ -456,18 +461,16 @@ def build(config: dict, shape: dict):
             a, z = m % 2, (m + 1) % 2
             si, so = (nseg - m) % 2, (nseg - m + 1) % 2     # segment j's states: buffer j % 2
             ct.launch(stream, grid, bwd, (i["q"], i["k"], i["v"], i["W"], i["f"], i["dy"], w["ckpt"],
-                                          w["sc"][si], w["zs"][si], w["sc"][so], w["zs"][so],
-                                          w["dh"][a], w["dw"][a], w["dh"][z], w["dw"][z],
-                                          w["dq"], w["dk"], w["dv"], w["df"], jw, lw, jr, lr, *consts))
+                                          w["sc"][si], w["sc"][so], w["dh"][a], w["dw"][a], w["dh"][z], w["dw"][z],
+                                          w["dk"], w["dv"], w["df"], jw, lw, jr, lr, *consts))
             if trace is not None:
                 trace(m, w)
         last = len(plan) % 2
-        parts = {n: w[n] for n in ("dq", "dk", "dv")}
+        parts = {n: w[n] for n in ("dq", "dk", "dv", "df")}
         parts["dW"] = w["dw"][last][:, :V, :V].reshape(B, N, V, V)
         parts["dh0"] = w["dh"][last][:, :K, :V].reshape(B, N, K, V)
-        parts["df"] = w["df"].sum(-1)          # df_t's sum over the V columns of its per-column partials
         grads = m2.reduce_heads(parts, shape)
         for name, value in grads.items():
             o[name].copy_(value)
-        return {"grid": grid[0], "launches": 1 + len(plan)}
+        return {"grid": list(grid[:2]), "launches": 1 + len(plan)}
     return run
