@@ -205,27 +205,29 @@ def _walk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n,
         vc = _rows(v, b, n, cg, T, BV)
         dyc = _rows(dy, b, n, cg, T, BV)
         ff = _gates(f, b, n // GF, cg, T, S)
-        hs = ct.load(sc, (bn, c, 0, 0), (1, T, BK, BV)).reshape((T, BK, BV))
-        dxs = ct.zeros((T, BK, BV), dtype=F32)
+        dks = ct.zeros((BK, T), dtype=F32)
         dfs = ct.zeros((BK, T), dtype=F32)
+        dvs = ct.zeros((T, BV), dtype=F32)
         for ii in ct.static_iter(range(T)):
             i = T - 1 - ii
-            hp = ct.extract(hs, (i, 0, 0), (1, BK, BV)).reshape((BK, BV))
+            # H_{t-1} from the scratch, and its transpose for dW (a second, transposed load rather than a
+            # layout conversion); neither depends on the chain, so they can be issued early.
+            hp = ct.load(sc, (bn, c * T + i, 0, 0), (1, 1, BK, BV)).reshape((BK, BV))
+            hpt = ct.load(sc, (bn, c * T + i, 0, 0), (1, 1, BV, BK), order=(0, 1, 3, 2)).reshape((BV, BK))
             ft = ct.extract(ff, (0, i), (1, 1))
-            z = _tanh(_prod(hp, w, ct.extract(kc, (0, i), (BK, 1)) * ct.extract(vc, (i, 0), (1, BV)), DOT, True),
-                      FAST)
+            kt = ct.extract(kc, (0, i), (BK, 1))
+            vt = ct.extract(vc, (i, 0), (1, BV))
+            z = _tanh(_prod(hp, w, kt * vt, DOT, True), FAST)
             G = dH + ct.extract(qc, (0, i), (BK, 1)) * ct.extract(dyc, (i, 0), (1, BV))
             dX = (1.0 - ft) * G * (1.0 - z * z)
             dH = _prod(dX, wt, ft * G, DOT, True)
+            dw = _prod(hpt, dX, dw, DOT, False)
+            dks = ct.insert(dks, (0, i), ct.sum(dX * vt, axis=1, keepdims=True))
             dfs = ct.insert(dfs, (0, i), ct.sum(G * (hp - z), axis=1, keepdims=True))
-            dxs = ct.insert(dxs, (i, 0, 0), dX.reshape((1, BK, BV)))
-        dkc = ct.sum(dxs * vc.reshape((T, 1, BV)), axis=2)                                  # [T, BK]
-        dvc = ct.sum(dxs * ct.permute(kc, (1, 0)).reshape((T, BK, 1)), axis=1)              # [T, BV]
-        dfc = ct.sum(dfs, axis=0)                                                            # [T]
-        dw = _prod(ct.permute(hs, (2, 0, 1)).reshape((BV, T * BK)), dxs.reshape((T * BK, BV)), dw, DOT, False)
-        ct.store(dk, (b, n, cg, 0), dkc.reshape((1, 1, T, BK)), order=(0, 2, 1, 3))
-        ct.store(dv, (b, n, cg, 0), dvc.reshape((1, 1, T, BV)), order=(0, 2, 1, 3))
-        ct.store(df, (b, n, cg), dfc.reshape((1, 1, T)), order=(0, 2, 1))
+            dvs = ct.insert(dvs, (i, 0), ct.sum(dX * kt, axis=0, keepdims=True))
+        ct.store(dk, (b, n, 0, cg), dks.reshape((1, 1, BK, T)), order=(0, 2, 3, 1))
+        ct.store(dv, (b, n, cg, 0), dvs.reshape((1, 1, T, BV)), order=(0, 2, 1, 3))
+        ct.store(df, (b, n, cg), ct.sum(dfs, axis=0).reshape((1, 1, T)), order=(0, 2, 1))
     ct.store(dh_out, (bn, 0, 0), dH.reshape((1, BK, BV)))
     ct.store(dw_out, (bn, 0, 0), dw.reshape((1, BV, BV)))
 
