@@ -69,8 +69,12 @@ from lab.problems import _m2rnn as m2
 DSL = "cutile"
 KERNEL = "m2rnn_bwd"
 TUNABLES = ("CKPT", "T", "T_FWD", "ROLES", "DOT", "FAST_TANH", "num_worker_warps", "occupancy", "fwd_occupancy")
-DEFAULTS = {"CKPT": 32, "T": 8, "T_FWD": 16, "ROLES": "split", "DOT": "input", "FAST_TANH": True,
-            "num_worker_warps": 0, "occupancy": 2, "fwd_occupancy": 3}
+# The best parity-ok config of the H100 sweeps of 2026-11-22 (results/h100/m2rnn_bwd/20261122T232212Z-*,
+# 20261122T232948Z-*). T = 8, ROLES split at occupancy 2 gave wrong dk / dv / dW / df there (dq right) at
+# every shape; not understood yet (the CPU emulation of the same bodies matches), so it stays in the
+# space for the parity check to keep reporting.
+DEFAULTS = {"CKPT": 32, "T": 4, "T_FWD": 16, "ROLES": "split", "DOT": "input", "FAST_TANH": True,
+            "num_worker_warps": 0, "occupancy": 1, "fwd_occupancy": 3}
 TARGETS = tuple(f"sm_{a}a" if a in (90, 100, 103, 110, 120, 121) else f"sm_{a}" for a in ARCHS)
 DTYPES = ("float32", "bfloat16")
 DOTS = ("input", "tf32", "tf32x3", "ieee")
