@@ -23,14 +23,20 @@ orders no weak memory accesses across a program's threads: its memory_model page
 this lane read back scratch it had stored in the same program and failed parity on the H100).
 ROLES = "split" runs the recompute and the walk as two programs (grid B*N x 2) that proceed side by
 side; "fused" runs both in one program, one after the other. The walk, per chunk of T steps
-(k, q as [BK, T], v, dy as [T, BV], f as [1, T] and the chunk's states as [T, BK, BV], one load each),
-from the last step to the first:
+(k, q as [BK, T], v, dy as [T, BV], f as [1, T], one load each), from the last step to the first:
+    H_{t-1} and its transpose loaded from the scratch (independent of the chain)
     Z = tanh(H_{t-1} W + k_t v_t^T)      (recomputed; off the chain)
     G = dH + q_t dy_t^T;  dX = (1 - f_t) G (1 - Z^2);  dH = dX W^T + f_t G   (the serial chain)
-    df partial: sum over V of G (H_{t-1} - Z)  (a row sum, no cross-warp traffic), stacked [BK, T]
-    dX stacked [T, BK, BV]
-and once per chunk: dk = sum_V dX v, dv = sum_K dX k, df = sum_K of the partials, and
-dW += H^T dX as one [BV, T*BK] x [T*BK, BV] product. Only G -> dX -> mma -> dH is serial.
+    dW += H_{t-1}^T dX (one product per step, off the chain)
+    dk_t = sum_V dX v_t and the df partial sum_V G (H_{t-1} - Z) (row sums, stacked [BK, T]);
+    dv_t = sum_K dX k_t (a column sum, stacked [T, BV])
+and one store per chunk of dk, dv and df. A first version of this walk loaded the chunk's states as one
+[T, BK, BV] tile and stacked dX for per-chunk dv / dW: 12.5 KB of stack per thread (sm_90a AOT) and
+83 ms at b2_n8 on the H100; per-step loads and products brought the stack to 1.3 KB and 9 ms.
+Measured (H100, 2026-11-22, scripts/profile_lane.py at b2_n8, T = 4): the 129 segment launches take
+7.4 ms (1.8 us per walked step, against 0.3 us per step of the forward lane), the checkpoint forward
+1.8 ms. The walk is the gap to the other DSLs; where tileiras spends it (the per-step column sum for
+dv crosses warps; the per-step dW product) is not yet profiled at instruction level.
 Steps past a ragged S read zero q / k / v / dy and get f = 1, so they leave dH unchanged and add
 nothing; stores drop rows past S. K and V are padded to powers of two >= 16 (BK, BV): zero-padded
 loads keep padded rows / columns of H and dH at zero.
