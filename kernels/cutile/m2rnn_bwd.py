@@ -74,7 +74,7 @@ from lab.problems import _m2rnn as m2
 
 DSL = "cutile"
 KERNEL = "m2rnn_bwd"
-TUNABLES = ("CKPT", "T", "T_FWD", "ROLES", "DOT", "FAST_TANH", "num_worker_warps", "occupancy", "fwd_occupancy")
+TUNABLES = ("CKPT", "T", "T_FWD", "WALK", "ROLES", "DOT", "FAST_TANH", "num_worker_warps", "occupancy", "fwd_occupancy")
 # The best parity-ok config of the H100 sweeps of 2026-11-22 (results/h100/m2rnn_bwd/20261122T232212Z-*,
 # 20261122T232948Z-*, 20261122T234839Z-*; CKPT 128 was 1% faster at b2_n8, within noise). T = 8, ROLES
 # split, occupancy 2 (255 registers, sm_90a) gives wrong dk / dv / dW / df at every shape while dq is right:
@@ -83,14 +83,15 @@ TUNABLES = ("CKPT", "T", "T_FWD", "ROLES", "DOT", "FAST_TANH", "num_worker_warps
 # 64x the reference (so dX is; dH follows). The CPU emulation of the same bodies matches and other
 # configs of the same code pass, which points at tileiras' lowering of that config; it stays in the
 # space so the parity check keeps reporting it.
-DEFAULTS = {"CKPT": 32, "T": 4, "T_FWD": 16, "ROLES": "split", "DOT": "input", "FAST_TANH": True,
+DEFAULTS = {"CKPT": 32, "T": 4, "T_FWD": 16, "WALK": "step", "ROLES": "split", "DOT": "input", "FAST_TANH": True,
             "num_worker_warps": 0, "occupancy": 1, "fwd_occupancy": 3}
 TARGETS = tuple(f"sm_{a}a" if a in (90, 100, 103, 110, 120, 121) else f"sm_{a}" for a in ARCHS)
 DTYPES = ("float32", "bfloat16")
 DOTS = ("input", "tf32", "tf32x3", "ieee")
 ROLES = ("split", "fused")
+WALKS = ("step", "chunk")
 CKPTS = (16, 32, 64, 128, 256)
-CHUNKS = (4, 8, 16)
+CHUNKS = (2, 4, 8, 16)
 MAX_BK, MAX_BV = 64, 32
 _CT = {"float32": ct.float32, "bfloat16": ct.bfloat16}
 _ELEM = {"float32": 4, "bfloat16": 2}
@@ -246,12 +247,61 @@ def _walk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n,
     ct.store(dw_out, (bn, 0, 0), dw.reshape((1, BV, BV)))
 
 
+def _walk_chunk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
+                GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST):
+    """The walk of ``_walk`` with everything that is not on the chain batched per chunk of T steps: the
+    chunk's states [T, BK, BV] in one load, Z = tanh(H W + k v^T) as one batched product, then only
+    G = dH + q dy^T, dX = (1 - f)(1 - Z^2) G, dH = dX W^T + f G per unrolled step (dX stacked), and
+    per chunk dk, dv (one reduction each over the stack), df and dW. dW = sum_t H_{t-1}^T dX_t is one
+    product [MP, T*BK] x [T*BK, BV] per chunk whose A operand is the states loaded transposed with
+    their BV columns zero-padded to MP = 64 rows: a 16-row product was lowered to FFMA (sm_90a AOT),
+    a 64-row one is the wgmma shape; rows >= BV of the accumulator stay zero."""
+    MP = max(64, BV)
+    wt = ct.transpose(w)
+    dH = ct.load(dh_in, (bn, 0, 0), (1, BK, BV)).reshape((BK, BV))
+    dwp = ct.load(dw_in, (bn, 0, 0), (1, MP, BV), padding_mode=ZERO).reshape((MP, BV))
+    per = CKPT // T
+    nch = ct.cdiv(Lw, T)
+    for cc in range(nch):
+        c = nch - 1 - cc
+        cg = jw * per + c
+        hc = ct.load(sc, (bn, c, 0, 0), (1, T, BK, BV)).reshape((T, BK, BV))
+        kr = _rows(k, b, n // GK, cg, T, BK).reshape((T, BK, 1))
+        qr = _rows(q, b, n // GQ, cg, T, BK).reshape((T, BK, 1))
+        vr = _rows(v, b, n, cg, T, BV).reshape((T, 1, BV))
+        dyr = _rows(dy, b, n, cg, T, BV).reshape((T, 1, BV))
+        ff = _gates(f, b, n // GF, cg, T, S).reshape((T, 1, 1))
+        z = _tanh(_prod(hc, w, kr * vr, DOT, True), FAST)
+        dz = (1.0 - ff) * (1.0 - z * z)
+        e = hc - z
+        qdy = qr * dyr
+        dxs = ct.zeros((T, BK, BV), dtype=F32)
+        dfs = ct.zeros((T, BK, 1), dtype=F32)
+        for ii in ct.static_iter(range(T)):
+            i = T - 1 - ii
+            G = dH + ct.extract(qdy, (i, 0, 0), (1, BK, BV)).reshape((BK, BV))
+            dX = ct.extract(dz, (i, 0, 0), (1, BK, BV)).reshape((BK, BV)) * G
+            ft = ct.extract(ff, (i, 0, 0), (1, 1, 1)).reshape((1, 1))
+            dH = _prod(dX, wt, ft * G, DOT, True)
+            dxs = ct.insert(dxs, (i, 0, 0), dX.reshape((1, BK, BV)))
+            ge = G * ct.extract(e, (i, 0, 0), (1, BK, BV)).reshape((BK, BV))
+            dfs = ct.insert(dfs, (i, 0, 0), ct.sum(ge, axis=1, keepdims=True).reshape((1, BK, 1)))
+        ct.store(dk, (b, n, cg, 0), ct.sum(dxs * vr, axis=2).reshape((1, 1, T, BK)), order=(0, 2, 1, 3))
+        ct.store(dv, (b, n, cg, 0), ct.sum(dxs * kr, axis=1).reshape((1, 1, T, BV)), order=(0, 2, 1, 3))
+        ct.store(df, (b, n, cg), ct.sum(dfs, axis=1).reshape((1, 1, T)), order=(0, 2, 1))
+        hpt = ct.load(sc, (bn, 0, c, 0), (1, MP, T, BK), order=(0, 3, 1, 2), padding_mode=ZERO)
+        dwp = _prod(hpt.reshape((MP, T * BK)), dxs.reshape((T * BK, BV)), dwp, DOT, False)
+    ct.store(dh_out, (bn, 0, 0), dH.reshape((1, BK, BV)))
+    ct.store(dw_out, (bn, 0, 0), ct.extract(dwp, (0, 0), (BV, BV)).reshape((1, BV, BV)))
+
+
 def _seg(q, k, v, W, f, dy, ckpt, sc_in, sc_out, dh_in, dw_in, dh_out, dw_out, dk, dv, df,
          jw: int, Lw: int, jr: int, Lr: int,
-         N: C, GQ: C, GK: C, GW: C, GF: C, BK: C, BV: C, CKPT: C, T: C, DOT: C, FAST: CB, SPLIT: CB):
+         N: C, GQ: C, GK: C, GW: C, GF: C, BK: C, BV: C, CKPT: C, T: C, DOT: C, FAST: CB, SPLIT: CB, CHUNKW: CB):
     """One segment launch for one (batch row, value head): recompute segment jr (Lr steps, none when
-    Lr = 0) into sc_out, and walk segment jw (Lw steps, none when Lw = 0) from sc_in. With SPLIT the
-    grid is B*N x 2 and bid(1) picks the role. No array is both read and written here."""
+    Lr = 0) into sc_out, and walk segment jw (Lw steps, none when Lw = 0) from sc_in (``_walk_chunk``
+    when CHUNKW, else ``_walk``). With SPLIT the grid is B*N x 2 and bid(1) picks the role. No array is
+    both read and written here."""
     bn = ct.bid(0)
     b = bn // N
     n = bn % N
@@ -261,11 +311,21 @@ def _seg(q, k, v, W, f, dy, ckpt, sc_in, sc_out, dh_in, dw_in, dh_out, dw_out, d
         if ct.bid(1) == 0:
             _recompute(k, v, w, f, ckpt, sc_out, b, n, bn, jr, Lr, S, GK, GF, BK, BV, CKPT, T, DOT, FAST)
         else:
-            _walk(q, k, v, w, f, dy, sc_in, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
-                  GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST)
+            _walk_any(q, k, v, w, f, dy, sc_in, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
+                      GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, CHUNKW)
     else:
         _recompute(k, v, w, f, ckpt, sc_out, b, n, bn, jr, Lr, S, GK, GF, BK, BV, CKPT, T, DOT, FAST)
-        _walk(q, k, v, w, f, dy, sc_in, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
+        _walk_any(q, k, v, w, f, dy, sc_in, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
+                  GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, CHUNKW)
+
+
+def _walk_any(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
+              GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, CHUNKW):
+    if CHUNKW:
+        _walk_chunk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
+                    GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST)
+    else:
+        _walk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
               GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST)
 
 
@@ -321,6 +381,8 @@ def config_reason(config: dict, shape: dict) -> str | None:
     if _block(shape["K"]) * _block(shape["V"]) * config["T"] > 16_384:
         return (f"T={config['T']} stacked states of [{_block(shape['K'])}, {_block(shape['V'])}] exceed 16K fp32 "
                 f"(a CTA's registers)")
+    if config["WALK"] not in WALKS:
+        return f"WALK={config['WALK']!r} must be one of {', '.join(WALKS)}"
     if config["ROLES"] not in ROLES:
         return f"ROLES={config['ROLES']!r} must be one of {', '.join(ROLES)}"
     if config["DOT"] not in DOTS:
@@ -368,11 +430,11 @@ def _consts(config: dict, shape: dict) -> dict:
     return {"N": N, "GQ": N // shape["Nq"], "GK": N // shape["Nk"], "GW": N // shape["Nw"], "GF": N // shape["Nf"],
             "BK": _block(shape["K"]), "BV": _block(shape["V"]), "CKPT": config["CKPT"], "T": config["T"],
             "T_FWD": config["T_FWD"], "DOT": dot_mode(config, shape), "FAST": bool(config["FAST_TANH"]),
-            "SPLIT": config["ROLES"] == "split"}
+            "SPLIT": config["ROLES"] == "split", "CHUNKW": config["WALK"] == "chunk"}
 
 
 _FWD_CONSTS = ("N", "GK", "GW", "GF", "BK", "BV", "CKPT", "T_FWD", "HAS_H0", "DOT", "FAST")
-_BWD_CONSTS = ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "CKPT", "T", "DOT", "FAST", "SPLIT")
+_BWD_CONSTS = ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "CKPT", "T", "DOT", "FAST", "SPLIT", "CHUNKW")
 
 
 def _nseg(config: dict, shape: dict) -> int:
