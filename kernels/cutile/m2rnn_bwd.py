@@ -276,7 +276,7 @@ def _walk_chunk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df,
         e = hc - z
         qdy = qr * dyr
         dxs = ct.zeros((T, BK, BV), dtype=F32)
-        dfs = ct.zeros((T, BK, 1), dtype=F32)
+        gs = ct.zeros((T, BK, BV), dtype=F32)
         for ii in ct.static_iter(range(T)):
             i = T - 1 - ii
             G = dH + ct.extract(qdy, (i, 0, 0), (1, BK, BV)).reshape((BK, BV))
@@ -284,11 +284,11 @@ def _walk_chunk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df,
             ft = ct.extract(ff, (i, 0, 0), (1, 1, 1)).reshape((1, 1))
             dH = _prod(dX, wt, ft * G, DOT, True)
             dxs = ct.insert(dxs, (i, 0, 0), dX.reshape((1, BK, BV)))
-            ge = G * ct.extract(e, (i, 0, 0), (1, BK, BV)).reshape((BK, BV))
-            dfs = ct.insert(dfs, (i, 0, 0), ct.sum(ge, axis=1, keepdims=True).reshape((1, BK, 1)))
+            gs = ct.insert(gs, (i, 0, 0), G.reshape((1, BK, BV)))
+        # Row / column sums only here, once per chunk: one per step crossed warps (block barriers).
         ct.store(dk, (b, n, cg, 0), ct.sum(dxs * vr, axis=2).reshape((1, 1, T, BK)), order=(0, 2, 1, 3))
         ct.store(dv, (b, n, cg, 0), ct.sum(dxs * kr, axis=1).reshape((1, 1, T, BV)), order=(0, 2, 1, 3))
-        ct.store(df, (b, n, cg), ct.sum(dfs, axis=1).reshape((1, 1, T)), order=(0, 2, 1))
+        ct.store(df, (b, n, cg), ct.sum(ct.sum(gs * e, axis=2), axis=1).reshape((1, 1, T)), order=(0, 2, 1))
         hpt = ct.load(sc, (bn, 0, c, 0), (1, MP, T, BK), order=(0, 3, 1, 2), padding_mode=ZERO)
         dwp = _prod(hpt.reshape((MP, T * BK)), dxs.reshape((T * BK, BV)), dwp, DOT, False)
     ct.store(dh_out, (bn, 0, 0), dH.reshape((1, BK, BV)))
