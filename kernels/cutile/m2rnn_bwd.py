@@ -74,7 +74,7 @@ from lab.problems import _m2rnn as m2
 
 DSL = "cutile"
 KERNEL = "m2rnn_bwd"
-TUNABLES = ("CKPT", "T", "T_FWD", "WALK", "PREFETCH", "ROLES", "DOT", "FAST_TANH", "num_worker_warps", "occupancy", "fwd_occupancy")
+TUNABLES = ("CKPT", "T", "T_FWD", "WALK", "ROLES", "DOT", "FAST_TANH", "num_worker_warps", "occupancy", "fwd_occupancy")
 # The best parity-ok config of the H100 sweeps of 2026-11-22 (results/h100/m2rnn_bwd/20261122T232212Z-*,
 # 20261122T232948Z-*, 20261122T234839Z-*; CKPT 128 was 1% faster at b2_n8, within noise). T = 8, ROLES
 # split, occupancy 2 (255 registers, sm_90a) gives wrong dk / dv / dW / df at every shape while dq is right:
@@ -83,7 +83,7 @@ TUNABLES = ("CKPT", "T", "T_FWD", "WALK", "PREFETCH", "ROLES", "DOT", "FAST_TANH
 # 64x the reference (so dX is; dH follows). The CPU emulation of the same bodies matches and other
 # configs of the same code pass, which points at tileiras' lowering of that config; it stays in the
 # space so the parity check keeps reporting it.
-DEFAULTS = {"CKPT": 32, "T": 4, "T_FWD": 16, "WALK": "step", "PREFETCH": False, "ROLES": "split", "DOT": "input", "FAST_TANH": True,
+DEFAULTS = {"CKPT": 32, "T": 4, "T_FWD": 16, "WALK": "step", "ROLES": "split", "DOT": "input", "FAST_TANH": True,
             "num_worker_warps": 0, "occupancy": 1, "fwd_occupancy": 3}
 TARGETS = tuple(f"sm_{a}a" if a in (90, 100, 103, 110, 120, 121) else f"sm_{a}" for a in ARCHS)
 DTYPES = ("float32", "bfloat16")
@@ -187,34 +187,20 @@ def _fwd_ckpt(k, v, W, f, dy, h0, ckpt, dq,
 
 
 def _recompute(k, v, w, f, ckpt, sc, b, n, bn, jr, Lr, S,
-               GK, GF, BK, BV, CKPT, T, DOT, FAST, PF):
-    """sc[bn, i] = the state before step jr*CKPT + i, for the Lr steps of segment jr (whole chunks).
-    With PF the next chunk's k, v, f are loaded before this chunk's steps (carried to the next
-    iteration), so no step waits on a load issued in its own chunk."""
+               GK, GF, BK, BV, CKPT, T, DOT, FAST):
+    """sc[bn, i] = the state before step jr*CKPT + i, for the Lr steps of segment jr (whole chunks)."""
     h = ct.load(ckpt, (bn, jr, 0, 0), (1, 1, BK, BV)).reshape((BK, BV))
     per = CKPT // T
-    nch = ct.cdiv(Lr, T)
-    if PF:
-        kc, vc, ff = _step_inputs(k, v, f, b, n, jr * per, S, GK, GF, BK, BV, T)
-    for c in range(nch):
+    for c in range(ct.cdiv(Lr, T)):
         cg = jr * per + c
-        if PF:
-            # Clamped: the last chunk reloads itself (a tile wholly outside the array is undefined).
-            kn, vn, fn = _step_inputs(k, v, f, b, n, jr * per + min(c + 1, nch - 1), S, GK, GF, BK, BV, T)
-        else:
-            kc, vc, ff = _step_inputs(k, v, f, b, n, cg, S, GK, GF, BK, BV, T)
+        kc = _cols(k, b, n // GK, cg, T, BK)
+        vc = _rows(v, b, n, cg, T, BV)
+        ff = _gates(f, b, n // GF, cg, T, S)
         hs = ct.zeros((T, BK, BV), dtype=F32)
         for i in ct.static_iter(range(T)):
             hs = ct.insert(hs, (i, 0, 0), h.reshape((1, BK, BV)))
             z, h = _step(h, w, kc, vc, ff, i, BK, BV, DOT, FAST)
         ct.store(sc, (bn, c, 0, 0), hs.reshape((1, T, BK, BV)))
-        if PF:
-            kc, vc, ff = kn, vn, fn
-
-
-def _step_inputs(k, v, f, b, n, cg, S, GK, GF, BK, BV, T):
-    """k as [BK, T], v as [T, BV], f as [1, T] of global chunk cg."""
-    return _cols(k, b, n // GK, cg, T, BK), _rows(v, b, n, cg, T, BV), _gates(f, b, n // GF, cg, T, S)
 
 
 def _walk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
@@ -262,34 +248,29 @@ def _walk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n,
 
 
 def _walk_chunk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
-                GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, PF):
+                GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST):
     """The walk of ``_walk`` with everything that is not on the chain batched per chunk of T steps: the
     chunk's states [T, BK, BV] in one load, Z = tanh(H W + k v^T) as one batched product, then only
-    G = dH + q dy^T, dX = (1 - f)(1 - Z^2) G, dH = dX W^T + f G per unrolled step (dX and G stacked),
-    and per chunk dk, dv, df (one reduction each over the stacks) and dW. dW = sum_t H_{t-1}^T dX_t is
-    one product [MP, T*BK] x [T*BK, BV] per chunk whose A operand is the states loaded transposed with
+    G = dH + q dy^T, dX = (1 - f)(1 - Z^2) G, dH = dX W^T + f G per unrolled step (dX stacked), and
+    per chunk dk, dv (one reduction each over the stack), df and dW. dW = sum_t H_{t-1}^T dX_t is one
+    product [MP, T*BK] x [T*BK, BV] per chunk whose A operand is the states loaded transposed with
     their BV columns zero-padded to MP = 64 rows: a 16-row product was lowered to FFMA (sm_90a AOT),
-    a 64-row one is the wgmma shape; rows >= BV of the accumulator stay zero. With PF the previous
-    chunk's loads are issued before this chunk's work and carried to the next iteration."""
+    a 64-row one is the wgmma shape; rows >= BV of the accumulator stay zero."""
     MP = max(64, BV)
     wt = ct.transpose(w)
     dH = ct.load(dh_in, (bn, 0, 0), (1, BK, BV)).reshape((BK, BV))
     dwp = ct.load(dw_in, (bn, 0, 0), (1, MP, BV), padding_mode=ZERO).reshape((MP, BV))
     per = CKPT // T
     nch = ct.cdiv(Lw, T)
-    if PF:
-        hc, hpt, kr, qr, vr, dyr, ff = _walk_inputs(q, k, v, f, dy, sc, b, n, bn, jw, max(nch - 1, 0), S,
-                                                    GQ, GK, GF, BK, BV, CKPT, T, MP)
     for cc in range(nch):
         c = nch - 1 - cc
         cg = jw * per + c
-        if PF:
-            # Clamped: the first chunk reloads itself.
-            hn, hptn, kn, qn, vn, dyn, fn = _walk_inputs(q, k, v, f, dy, sc, b, n, bn, jw, max(c - 1, 0), S,
-                                                         GQ, GK, GF, BK, BV, CKPT, T, MP)
-        else:
-            hc, hpt, kr, qr, vr, dyr, ff = _walk_inputs(q, k, v, f, dy, sc, b, n, bn, jw, c, S,
-                                                        GQ, GK, GF, BK, BV, CKPT, T, MP)
+        hc = ct.load(sc, (bn, c, 0, 0), (1, T, BK, BV)).reshape((T, BK, BV))
+        kr = _rows(k, b, n // GK, cg, T, BK).reshape((T, BK, 1))
+        qr = _rows(q, b, n // GQ, cg, T, BK).reshape((T, BK, 1))
+        vr = _rows(v, b, n, cg, T, BV).reshape((T, 1, BV))
+        dyr = _rows(dy, b, n, cg, T, BV).reshape((T, 1, BV))
+        ff = _gates(f, b, n // GF, cg, T, S).reshape((T, 1, 1))
         z = _tanh(_prod(hc, w, kr * vr, DOT, True), FAST)
         dz = (1.0 - ff) * (1.0 - z * z)
         e = hc - z
@@ -308,27 +289,15 @@ def _walk_chunk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df,
         ct.store(dk, (b, n, cg, 0), ct.sum(dxs * vr, axis=2).reshape((1, 1, T, BK)), order=(0, 2, 1, 3))
         ct.store(dv, (b, n, cg, 0), ct.sum(dxs * kr, axis=1).reshape((1, 1, T, BV)), order=(0, 2, 1, 3))
         ct.store(df, (b, n, cg), ct.sum(ct.sum(gs * e, axis=2), axis=1).reshape((1, 1, T)), order=(0, 2, 1))
+        hpt = ct.load(sc, (bn, 0, c, 0), (1, MP, T, BK), order=(0, 3, 1, 2), padding_mode=ZERO)
         dwp = _prod(hpt.reshape((MP, T * BK)), dxs.reshape((T * BK, BV)), dwp, DOT, False)
-        if PF:
-            hc, hpt, kr, qr, vr, dyr, ff = hn, hptn, kn, qn, vn, dyn, fn
     ct.store(dh_out, (bn, 0, 0), dH.reshape((1, BK, BV)))
     ct.store(dw_out, (bn, 0, 0), ct.extract(dwp, (0, 0), (BV, BV)).reshape((1, BV, BV)))
 
 
-def _walk_inputs(q, k, v, f, dy, sc, b, n, bn, jw, c, S, GQ, GK, GF, BK, BV, CKPT, T, MP):
-    """Chunk c of walked segment jw: its states [T, BK, BV] and, transposed with zero rows up to MP,
-    [1, MP, T, BK]; k, q as [T, BK, 1], v, dy as [T, 1, BV], f as [T, 1, 1]."""
-    cg = jw * (CKPT // T) + c
-    hc = ct.load(sc, (bn, c, 0, 0), (1, T, BK, BV)).reshape((T, BK, BV))
-    hpt = ct.load(sc, (bn, 0, c, 0), (1, MP, T, BK), order=(0, 3, 1, 2), padding_mode=ZERO)
-    return (hc, hpt, _rows(k, b, n // GK, cg, T, BK).reshape((T, BK, 1)),
-            _rows(q, b, n // GQ, cg, T, BK).reshape((T, BK, 1)), _rows(v, b, n, cg, T, BV).reshape((T, 1, BV)),
-            _rows(dy, b, n, cg, T, BV).reshape((T, 1, BV)), _gates(f, b, n // GF, cg, T, S).reshape((T, 1, 1)))
-
-
 def _seg(q, k, v, W, f, dy, ckpt, sc_in, sc_out, dh_in, dw_in, dh_out, dw_out, dk, dv, df,
          jw: int, Lw: int, jr: int, Lr: int,
-         N: C, GQ: C, GK: C, GW: C, GF: C, BK: C, BV: C, CKPT: C, T: C, DOT: C, FAST: CB, SPLIT: CB, CHUNKW: CB, PF: CB):
+         N: C, GQ: C, GK: C, GW: C, GF: C, BK: C, BV: C, CKPT: C, T: C, DOT: C, FAST: CB, SPLIT: CB, CHUNKW: CB):
     """One segment launch for one (batch row, value head): recompute segment jr (Lr steps, none when
     Lr = 0) into sc_out, and walk segment jw (Lw steps, none when Lw = 0) from sc_in (``_walk_chunk``
     when CHUNKW, else ``_walk``). With SPLIT the grid is B*N x 2 and bid(1) picks the role. No array is
@@ -340,21 +309,21 @@ def _seg(q, k, v, W, f, dy, ckpt, sc_in, sc_out, dh_in, dw_in, dh_out, dw_out, d
     w = _load_w(W, n // GW, BV)
     if SPLIT:
         if ct.bid(1) == 0:
-            _recompute(k, v, w, f, ckpt, sc_out, b, n, bn, jr, Lr, S, GK, GF, BK, BV, CKPT, T, DOT, FAST, PF)
+            _recompute(k, v, w, f, ckpt, sc_out, b, n, bn, jr, Lr, S, GK, GF, BK, BV, CKPT, T, DOT, FAST)
         else:
             _walk_any(q, k, v, w, f, dy, sc_in, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
-                      GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, CHUNKW, PF)
+                      GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, CHUNKW)
     else:
-        _recompute(k, v, w, f, ckpt, sc_out, b, n, bn, jr, Lr, S, GK, GF, BK, BV, CKPT, T, DOT, FAST, PF)
+        _recompute(k, v, w, f, ckpt, sc_out, b, n, bn, jr, Lr, S, GK, GF, BK, BV, CKPT, T, DOT, FAST)
         _walk_any(q, k, v, w, f, dy, sc_in, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
-                  GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, CHUNKW, PF)
+                  GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, CHUNKW)
 
 
 def _walk_any(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
-              GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, CHUNKW, PF):
+              GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, CHUNKW):
     if CHUNKW:
         _walk_chunk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
-                    GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, PF)
+                    GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST)
     else:
         _walk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
               GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST)
@@ -418,9 +387,8 @@ def config_reason(config: dict, shape: dict) -> str | None:
         return f"ROLES={config['ROLES']!r} must be one of {', '.join(ROLES)}"
     if config["DOT"] not in DOTS:
         return f"DOT={config['DOT']!r} must be one of {', '.join(DOTS)}"
-    for key in ("FAST_TANH", "PREFETCH"):
-        if not isinstance(config[key], bool):
-            return f"{key} must be true or false"
+    if not isinstance(config["FAST_TANH"], bool):
+        return "FAST_TANH must be true or false"
     if config["num_worker_warps"] not in (0, 4, 8):
         # cuda-tile 1.7.0 emits bytecode 13.4, where tileiras takes only 4 or 8 (other values: 13.5+).
         return f"num_worker_warps={config['num_worker_warps']} must be 0 (auto), 4 or 8"
@@ -462,12 +430,11 @@ def _consts(config: dict, shape: dict) -> dict:
     return {"N": N, "GQ": N // shape["Nq"], "GK": N // shape["Nk"], "GW": N // shape["Nw"], "GF": N // shape["Nf"],
             "BK": _block(shape["K"]), "BV": _block(shape["V"]), "CKPT": config["CKPT"], "T": config["T"],
             "T_FWD": config["T_FWD"], "DOT": dot_mode(config, shape), "FAST": bool(config["FAST_TANH"]),
-            "SPLIT": config["ROLES"] == "split", "CHUNKW": config["WALK"] == "chunk",
-            "PF": bool(config["PREFETCH"])}
+            "SPLIT": config["ROLES"] == "split", "CHUNKW": config["WALK"] == "chunk"}
 
 
 _FWD_CONSTS = ("N", "GK", "GW", "GF", "BK", "BV", "CKPT", "T_FWD", "HAS_H0", "DOT", "FAST")
-_BWD_CONSTS = ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "CKPT", "T", "DOT", "FAST", "SPLIT", "CHUNKW", "PF")
+_BWD_CONSTS = ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "CKPT", "T", "DOT", "FAST", "SPLIT", "CHUNKW")
 
 
 def _nseg(config: dict, shape: dict) -> int:
