@@ -37,6 +37,15 @@ Measured (H100, 2026-11-22, scripts/profile_lane.py at b2_n8, T = 4): the 129 se
 7.4 ms (1.8 us per walked step, against 0.3 us per step of the forward lane), the checkpoint forward
 1.8 ms. The walk is the gap to the other DSLs; where tileiras spends it (the per-step column sum for
 dv crosses warps; the per-step dW product) is not yet profiled at instruction level.
+WALK = "chunk" (``_walk_chunk``, 2026-11-23) came from the sm_90a SASS of that walk: tileiras lowered the
+16-row dW product to FFMA (512 FFMA plus bf16 unpacking per chunk of 4 steps) and the per-step row /
+column sums crossed warps (about 8 block barriers per step). The chunk walk batches Z, dk, dv, df and dW
+per chunk (dW as a 64-row wgmma on zero-padded transposed states), leaving one HGMMA and one barrier per
+step. Measured (H100, 2026-11-23, sweep results/h100/m2rnn_bwd/20261123T031047Z-*, parity ok): 5.90 /
+10.35 / 28.18 ms at b2_n8 / b4_n44 / b8_n84 against the step walk's 8.77 / 20.10 / 61.74. The profile
+(results/logs/m2rnn-s5-device-11-*) puts b2_n8 at 4.2 ms in the 65 segment launches (1.0 us per walked
+step) and 1.75 ms in the checkpoint forward. Loading the next chunk's inputs ahead (tried, reverted) was
+slower (5.5 ms of segments) and hung at T = 4 (results/logs/m2rnn-s5-device-16-*).
 Steps past a ragged S read zero q / k / v / dy and get f = 1, so they leave dH unchanged and add
 nothing; stores drop rows past S. K and V are padded to powers of two >= 16 (BK, BV): zero-padded
 loads keep padded rows / columns of H and dH at zero.
