@@ -85,8 +85,8 @@ DSL = "cutile"
 KERNEL = "m2rnn_bwd"
 TUNABLES = ("CKPT", "T", "T_FWD", "WALK", "ROLES", "DOT", "FAST_TANH", "num_worker_warps", "occupancy", "fwd_occupancy")
 # Default: the chunk walk at T = 2, CKPT 64, occupancy 1, the fastest parity-ok config of the H100 sweep of
-# 2026-11-23 at b2_n8 (results/h100/m2rnn_bwd/20261123T023522Z-*); occupancy 3 was faster at b8_n84 in the
-# profile of results/logs/m2rnn-s5-device-11-*. The step walk (WALK = "step") is the 2026-11-22 lane. Its
+# 2026-11-23 at b2_n8 (results/h100/m2rnn_bwd/20261123T031047Z-*, also 023522Z-*); occupancy 3 is the
+# faster one at b4_n44 and b8_n84 (same run). The step walk (WALK = "step") is the 2026-11-22 lane. Its
 # config T = 8, ROLES split, occupancy 2 (255 registers, sm_90a) gives wrong dk / dv / dW / df at every
 # shape while dq is right: scripts/debug_cutile_m2rnn_bwd.py on the H100 (results/logs/m2rnn-s4-device-7-*)
 # found the checkpoints right and, in the first walked chunk, steps right until unrolled step 5, from which
@@ -261,8 +261,8 @@ def _walk_chunk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df,
                 GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST):
     """The walk of ``_walk`` with everything that is not on the chain batched per chunk of T steps: the
     chunk's states [T, BK, BV] in one load, Z = tanh(H W + k v^T) as one batched product, then only
-    G = dH + q dy^T, dX = (1 - f)(1 - Z^2) G, dH = dX W^T + f G per unrolled step (dX stacked), and
-    per chunk dk, dv (one reduction each over the stack), df and dW. dW = sum_t H_{t-1}^T dX_t is one
+    G = dH + q dy^T, dX = (1 - f)(1 - Z^2) G, dH = dX W^T + f G per unrolled step (dX and G stacked),
+    and per chunk dk, dv, df (one reduction each over the stacks) and dW. dW = sum_t H_{t-1}^T dX_t is one
     product [MP, T*BK] x [T*BK, BV] per chunk whose A operand is the states loaded transposed with
     their BV columns zero-padded to MP = 64 rows: a 16-row product was lowered to FFMA (sm_90a AOT),
     a 64-row one is the wgmma shape; rows >= BV of the accumulator stay zero."""
