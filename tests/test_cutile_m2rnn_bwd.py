@@ -53,9 +53,10 @@ def test_default_compiles(target, names):
 
 
 def test_sweep_config_compiles():
-    # fp32 at the ragged shape (fp32 products), fused roles, short chunks, 8 worker warps.
+    # fp32 at the ragged shape (fp32 products), fused roles, short chunks, 8 worker warps; the step walk
+    # (the defaults compile the chunk walk).
     shape = {**_shape("ragged_h0"), "dtype": "float32"}
-    c = cfg(T=4, T_FWD=8, ROLES="fused", FAST_TANH=False, num_worker_warps=8, occupancy=0, CKPT=16)
+    c = cfg(T=4, T_FWD=8, WALK="step", ROLES="fused", FAST_TANH=False, num_worker_warps=8, occupancy=0, CKPT=16)
     _check(lane.compile_for(c, shape, "sm_90a"), c, shape, "sm_90a")
 
 
@@ -231,9 +232,9 @@ def test_schedule_orders_buffers_by_launches():
         assert sum(p[1] for p in plan) == S and sum(p[3] for p in plan) == S
 
 
-@pytest.mark.parametrize("config,dtype", [(cfg(CKPT=16, T=4, T_FWD=8), "float32"),
-                                          (cfg(CKPT=16, T=8, T_FWD=4, ROLES="fused"), "float32"),
-                                          (cfg(CKPT=16, T=16, T_FWD=16), "bfloat16"),
+@pytest.mark.parametrize("config,dtype", [(cfg(CKPT=16, T=4, T_FWD=8, WALK="step"), "float32"),
+                                          (cfg(CKPT=16, T=8, T_FWD=4, WALK="step", ROLES="fused"), "float32"),
+                                          (cfg(CKPT=16, T=16, T_FWD=16, WALK="step"), "bfloat16"),
                                           (cfg(CKPT=16, T=4, T_FWD=8, WALK="chunk"), "float32"),
                                           (cfg(CKPT=16, T=2, T_FWD=4, WALK="chunk", ROLES="fused"), "float32"),
                                           (cfg(CKPT=16, T=8, T_FWD=16, WALK="chunk"), "bfloat16")])
