@@ -145,6 +145,7 @@ def _fake_ct(bid):
         arange=lambda n, **_: np.arange(n), zeros=lambda s, **_: _t(np.zeros(s)),
         sum=lambda x, axis, keepdims=False: _t(np.sum(x, axis=axis, keepdims=keepdims)),
         mma=lambda a, b, acc: _t(np.matmul(np.asarray(a, np.float64), b) + acc),
+        cat=lambda tiles, axis: _t(np.concatenate(tiles, axis)),
         load=load, store=store, insert=insert,
         extract=lambda x, index, shape: _t(np.asarray(x)[tuple(slice(i * s, (i + 1) * s)
                                                              for i, s in zip(index, shape))]))
@@ -177,6 +178,9 @@ _SMALL = {"B": 2, "S": 37, "N": 4, "Nq": 4, "Nk": 4, "Nw": 4, "Nf": 4, "K": 64, 
     ({**_SMALL, "Nq": 1, "Nk": 1, "h0": False}, {"K_SPLIT": 4, "T": 32, "DOT": "f32"}),
     ({**_SMALL, "N": 8, "Nq": 8, "Nk": 4, "Nw": 1, "Nf": 8, "S": 23}, {"HEADS": 2, "K_SPLIT": 2}),
     ({**_SMALL, "Nq": 1, "Nk": 1, "Nw": 1, "S": 16}, {"HEADS": 4, "YSTACK": False, "DOT": "tf32x3"}),
+    (_SMALL, {"KV": "mma"}),
+    ({**_SMALL, "Nq": 1, "Nk": 1, "S": 53}, {"KV": "cat", "PREFETCH": False}),
+    ({**_SMALL, "N": 8, "Nq": 8, "Nk": 4, "Nw": 1, "Nf": 8, "S": 41}, {"KV": "mma", "T": 32, "DOT": "f32"}),
 ])
 def test_kernel_body_matches_reference(shape, config):
     """Chunking, the padded tail (f = 1 keeps the state), head broadcasting, K slabs and HEADS blocks,

@@ -83,7 +83,8 @@ from lab.problems import _m2rnn as m2
 
 DSL = "cutile"
 KERNEL = "m2rnn_bwd"
-TUNABLES = ("CKPT", "T", "T_FWD", "WALK", "ROLES", "DOT", "FAST_TANH", "num_worker_warps", "occupancy", "fwd_occupancy")
+TUNABLES = ("CKPT", "T", "T_FWD", "T_RE", "KV", "WALK", "ROLES", "DOT", "FAST_TANH", "num_worker_warps", "occupancy",
+            "fwd_occupancy")
 # Default: the chunk walk at T = 2, CKPT 64, occupancy 1, the fastest parity-ok config of the H100 sweep of
 # 2026-11-23 at b2_n8 (results/h100/m2rnn_bwd/20261123T031047Z-*, also 023522Z-*); occupancy 3 is the
 # faster one at b4_n44 and b8_n84 (same run). The step walk (WALK = "step") is the 2026-11-22 lane. Its
@@ -93,13 +94,14 @@ TUNABLES = ("CKPT", "T", "T_FWD", "WALK", "ROLES", "DOT", "FAST_TANH", "num_work
 # dk and dv are exactly 64x the reference. The CPU emulation of the same bodies matches and other configs of
 # the same code pass, which points at tileiras' lowering of that config; it stays in the space so the
 # parity check keeps reporting it.
-DEFAULTS = {"CKPT": 64, "T": 2, "T_FWD": 16, "WALK": "chunk", "ROLES": "split", "DOT": "input", "FAST_TANH": True,
+DEFAULTS = {"CKPT": 64, "T": 2, "T_FWD": 16, "T_RE": 0, "KV": "outer", "WALK": "chunk", "ROLES": "split", "DOT": "input", "FAST_TANH": True,
             "num_worker_warps": 0, "occupancy": 1, "fwd_occupancy": 3}
 TARGETS = tuple(f"sm_{a}a" if a in (90, 100, 103, 110, 120, 121) else f"sm_{a}" for a in ARCHS)
 DTYPES = ("float32", "bfloat16")
 DOTS = ("input", "tf32", "tf32x3", "ieee")
 ROLES = ("split", "fused")
 WALKS = ("step", "chunk")
+KVS = ("outer", "mma")
 CKPTS = (16, 32, 64, 128, 256)
 CHUNKS = (2, 4, 8, 16)
 MAX_BK, MAX_BV = 64, 32
@@ -159,15 +161,33 @@ def _gates(f, b, h, c, T, S):
     return ct.where(pos < S, fc, 1.0)
 
 
-def _step(h, w, kc, vc, ff, i, BK, BV, DOT, FAST):
+def _chunk_kv(kc, vc, KV):
+    """The chunk's k [BK, T] and v [T, BV] as ``_kv`` takes them: bf16 with KV (exact, the inputs are bf16)."""
+    if KV:
+        return kc.astype(ct.bfloat16), vc.astype(ct.bfloat16)
+    return kc, vc
+
+
+def _kv(kc, vc, i, BK, BV, T, KV):
+    """k_i v_i^T [BK, BV] fp32 for step i of a chunk. With KV it is the product of the chunk's k with its
+    columns other than i zeroed and the chunk's v: tileiras writes that straight into the mma accumulator
+    layout, where the broadcast outer product cost about 70 shuffles and selects per step (sm_90a SASS of the
+    forward lane). Exact either way: one bf16 x bf16 product per element."""
+    if KV:
+        km = ct.where(ct.arange(T, dtype=ct.int32).reshape((1, T)) == i, kc, ct.zeros((BK, T), dtype=ct.bfloat16))
+        return ct.mma(km, vc, ct.zeros((BK, BV), dtype=F32))
+    return ct.extract(kc, (0, i), (BK, 1)) * ct.extract(vc, (i, 0), (1, BV))
+
+
+def _step(h, w, kc, vc, ff, i, BK, BV, T, DOT, FAST, KV):
     """(Z, H') of step i of a chunk from the state h: Z = tanh(h W + k v^T), H' = f h + (1 - f) Z."""
     ft = ct.extract(ff, (0, i), (1, 1))
-    z = _tanh(_prod(h, w, ct.extract(kc, (0, i), (BK, 1)) * ct.extract(vc, (i, 0), (1, BV)), DOT, True), FAST)
+    z = _tanh(_prod(h, w, _kv(kc, vc, i, BK, BV, T, KV), DOT, True), FAST)
     return z, ft * h + (1.0 - ft) * z
 
 
 def _fwd_ckpt(k, v, W, f, dy, h0, ckpt, dq,
-              N: C, GK: C, GW: C, GF: C, BK: C, BV: C, CKPT: C, T: C, HAS_H0: CB, DOT: C, FAST: CB):
+              N: C, GK: C, GW: C, GF: C, BK: C, BV: C, CKPT: C, T: C, HAS_H0: CB, DOT: C, FAST: CB, KV: CB):
     """Grid B*N. States H_{j*CKPT - 1} into ckpt [B*N, NSEG, BK, BV]; dq_t = H_t dy_t (per value head)
     into dq [B, S, N, K] fp32."""
     bn = ct.bid(0)
@@ -185,31 +205,30 @@ def _fwd_ckpt(k, v, W, f, dy, h0, ckpt, dq,
         ct.store(ckpt, (bn, j, 0, 0), h.reshape((1, 1, BK, BV)))
         for cc in range(min(per, nch - j * per)):
             c = j * per + cc
-            kc = _cols(k, b, n // GK, c, T, BK)
-            vc = _rows(v, b, n, c, T, BV)
+            kc, vc = _chunk_kv(_cols(k, b, n // GK, c, T, BK), _rows(v, b, n, c, T, BV), KV)
             ff = _gates(f, b, n // GF, c, T, S)
             hs = ct.zeros((T, BK, BV), dtype=F32)
             for i in ct.static_iter(range(T)):
-                z, h = _step(h, w, kc, vc, ff, i, BK, BV, DOT, FAST)
+                z, h = _step(h, w, kc, vc, ff, i, BK, BV, T, DOT, FAST, KV)
                 hs = ct.insert(hs, (i, 0, 0), h.reshape((1, BK, BV)))
             dqc = ct.sum(hs * _rows(dy, b, n, c, T, BV).reshape((T, 1, BV)), axis=2)        # [T, BK]
             ct.store(dq, (b, n, c, 0), dqc.reshape((1, 1, T, BK)), order=(0, 2, 1, 3))
 
 
 def _recompute(k, v, w, f, ckpt, sc, b, n, bn, jr, Lr, S,
-               GK, GF, BK, BV, CKPT, T, DOT, FAST):
-    """sc[bn, i] = the state before step jr*CKPT + i, for the Lr steps of segment jr (whole chunks)."""
+               GK, GF, BK, BV, CKPT, T, DOT, FAST, KV):
+    """sc[bn, i] = the state before step jr*CKPT + i, for the Lr steps of segment jr (whole chunks of T,
+    the recompute's own chunk: the scratch rows do not depend on it)."""
     h = ct.load(ckpt, (bn, jr, 0, 0), (1, 1, BK, BV)).reshape((BK, BV))
     per = CKPT // T
     for c in range(ct.cdiv(Lr, T)):
         cg = jr * per + c
-        kc = _cols(k, b, n // GK, cg, T, BK)
-        vc = _rows(v, b, n, cg, T, BV)
+        kc, vc = _chunk_kv(_cols(k, b, n // GK, cg, T, BK), _rows(v, b, n, cg, T, BV), KV)
         ff = _gates(f, b, n // GF, cg, T, S)
         hs = ct.zeros((T, BK, BV), dtype=F32)
         for i in ct.static_iter(range(T)):
             hs = ct.insert(hs, (i, 0, 0), h.reshape((1, BK, BV)))
-            z, h = _step(h, w, kc, vc, ff, i, BK, BV, DOT, FAST)
+            z, h = _step(h, w, kc, vc, ff, i, BK, BV, T, DOT, FAST, KV)
         ct.store(sc, (bn, c, 0, 0), hs.reshape((1, T, BK, BV)))
 
 
@@ -307,10 +326,11 @@ def _walk_chunk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df,
 
 def _seg(q, k, v, W, f, dy, ckpt, sc_in, sc_out, dh_in, dw_in, dh_out, dw_out, dk, dv, df,
          jw: int, Lw: int, jr: int, Lr: int,
-         N: C, GQ: C, GK: C, GW: C, GF: C, BK: C, BV: C, CKPT: C, T: C, DOT: C, FAST: CB, SPLIT: CB, CHUNKW: CB):
+         N: C, GQ: C, GK: C, GW: C, GF: C, BK: C, BV: C, CKPT: C, T: C, TR: C, DOT: C, FAST: CB, SPLIT: CB,
+         CHUNKW: CB, KV: CB):
     """One segment launch for one (batch row, value head): recompute segment jr (Lr steps, none when
     Lr = 0) into sc_out, and walk segment jw (Lw steps, none when Lw = 0) from sc_in (``_walk_chunk``
-    when CHUNKW, else ``_walk``). With SPLIT the grid is B*N x 2 and bid(1) picks the role. No array is
+    when CHUNKW, else ``_walk``); the recompute runs in chunks of TR steps, the walk of T. With SPLIT the grid is B*N x 2 and bid(1) picks the role. No array is
     both read and written here."""
     bn = ct.bid(0)
     b = bn // N
@@ -319,12 +339,12 @@ def _seg(q, k, v, W, f, dy, ckpt, sc_in, sc_out, dh_in, dw_in, dh_out, dw_out, d
     w = _load_w(W, n // GW, BV)
     if SPLIT:
         if ct.bid(1) == 0:
-            _recompute(k, v, w, f, ckpt, sc_out, b, n, bn, jr, Lr, S, GK, GF, BK, BV, CKPT, T, DOT, FAST)
+            _recompute(k, v, w, f, ckpt, sc_out, b, n, bn, jr, Lr, S, GK, GF, BK, BV, CKPT, TR, DOT, FAST, KV)
         else:
             _walk_any(q, k, v, w, f, dy, sc_in, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
                       GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, CHUNKW)
     else:
-        _recompute(k, v, w, f, ckpt, sc_out, b, n, bn, jr, Lr, S, GK, GF, BK, BV, CKPT, T, DOT, FAST)
+        _recompute(k, v, w, f, ckpt, sc_out, b, n, bn, jr, Lr, S, GK, GF, BK, BV, CKPT, TR, DOT, FAST, KV)
         _walk_any(q, k, v, w, f, dy, sc_in, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
                   GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, CHUNKW)
 
@@ -371,6 +391,11 @@ def _block(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
+def _t_re(config: dict) -> int:
+    """The recompute's chunk (steps): T_RE, or T when T_RE = 0 (the lane before T_RE existed)."""
+    return config["T_RE"] or config["T"]
+
+
 def dot_mode(config: dict, shape: dict) -> int:
     """fp32 inputs always multiply in fp32 (the problem's fp32 band assumes it)."""
     return 3 if shape["dtype"] == "float32" else DOTS.index(config["DOT"])
@@ -388,7 +413,15 @@ def config_reason(config: dict, shape: dict) -> str | None:
     for key in ("T", "T_FWD"):
         if config[key] not in CHUNKS or config[key] > config["CKPT"]:
             return f"{key}={config[key]} must be one of {', '.join(map(str, CHUNKS))} and at most CKPT={config['CKPT']}"
-    if _block(shape["K"]) * _block(shape["V"]) * config["T"] > 16_384:
+    if config["T_RE"] != 0 and (config["T_RE"] not in CHUNKS or config["T_RE"] > config["CKPT"]):
+        return (f"T_RE={config['T_RE']} must be 0 (= T) or one of {', '.join(map(str, CHUNKS))}, and at most "
+                f"CKPT={config['CKPT']}")
+    if config["KV"] not in KVS:
+        return f"KV={config['KV']!r} must be one of {', '.join(KVS)}"
+    if config["KV"] == "mma" and (shape["dtype"] != "bfloat16" or min(config["T_FWD"], _t_re(config)) < 16):
+        return (f"KV=mma: k v^T as a product over the chunk needs bf16 inputs (exact products) and T_FWD, T_RE >= 16 "
+                f"(the mma's K; T_FWD={config['T_FWD']}, T_RE={_t_re(config)})")
+    if _block(shape["K"]) * _block(shape["V"]) * max(config["T"], _t_re(config)) > 16_384:
         return (f"T={config['T']} stacked states of [{_block(shape['K'])}, {_block(shape['V'])}] exceed 16K fp32 "
                 f"(a CTA's registers)")
     if config["WALK"] not in WALKS:
@@ -439,12 +472,13 @@ def _consts(config: dict, shape: dict) -> dict:
     N = shape["N"]
     return {"N": N, "GQ": N // shape["Nq"], "GK": N // shape["Nk"], "GW": N // shape["Nw"], "GF": N // shape["Nf"],
             "BK": _block(shape["K"]), "BV": _block(shape["V"]), "CKPT": config["CKPT"], "T": config["T"],
-            "T_FWD": config["T_FWD"], "DOT": dot_mode(config, shape), "FAST": bool(config["FAST_TANH"]),
+            "T_FWD": config["T_FWD"], "TR": _t_re(config), "KV": config["KV"] == "mma",
+            "DOT": dot_mode(config, shape), "FAST": bool(config["FAST_TANH"]),
             "SPLIT": config["ROLES"] == "split", "CHUNKW": config["WALK"] == "chunk"}
 
 
-_FWD_CONSTS = ("N", "GK", "GW", "GF", "BK", "BV", "CKPT", "T_FWD", "HAS_H0", "DOT", "FAST")
-_BWD_CONSTS = ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "CKPT", "T", "DOT", "FAST", "SPLIT", "CHUNKW")
+_FWD_CONSTS = ("N", "GK", "GW", "GF", "BK", "BV", "CKPT", "T_FWD", "HAS_H0", "DOT", "FAST", "KV")
+_BWD_CONSTS = ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "CKPT", "T", "TR", "DOT", "FAST", "SPLIT", "CHUNKW", "KV")
 
 
 def _nseg(config: dict, shape: dict) -> int:

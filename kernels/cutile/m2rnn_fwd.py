@@ -67,12 +67,13 @@ from kernels.cutile.gemm import versions  # noqa: F401  (the lane interface)
 DSL = "cutile"
 KERNEL = "m2rnn_fwd"
 TUNABLES = ("num_worker_warps", "occupancy", "K_SPLIT", "HEADS", "T", "PREFETCH", "YSTACK", "TMA", "DOT",
-            "FAST_TANH")
+            "FAST_TANH", "KV")
 DEFAULTS = {"num_worker_warps": 0, "occupancy": 3, "K_SPLIT": 1, "HEADS": 1, "T": 16, "PREFETCH": True,
-            "YSTACK": True, "TMA": True, "DOT": "bf16", "FAST_TANH": True}
+            "YSTACK": True, "TMA": True, "DOT": "bf16", "FAST_TANH": True, "KV": "outer"}
 TARGETS = tuple(f"sm_{a}a" if a >= 90 else f"sm_{a}" for a in ARCHS)
 DTYPES = ("float32", "bfloat16")
 DOTS = ("bf16", "tf32", "tf32x3", "f32")
+KVS = ("outer", "mma", "cat")
 _CT = {"float32": ct.float32, "bfloat16": ct.bfloat16}
 _ELEM = {"float32": 4, "bfloat16": 2}
 _SMEM_OPTIN = {80: 166_912, 87: 166_912, 90: 232_448, 100: 232_448, 103: 232_448, 110: 232_448}
@@ -114,7 +115,7 @@ def _load_chunk(q, k, v, f, b, c, ks, hb, iq, ik, i_f, QH, KH, FH, HEADS, BK, V,
 
 def _m2rnn_fwd(q, k, v, W, f, h0, y, h_out,
                N: C, V: C, GQ: C, GK: C, GW: C, GF: C, HEADS: C, BK: C, KSPLIT: C, T: C,
-               HAS_H0: CB, PREFETCH: CB, YSTACK: CB, TMA: CB, DOT: C, FAST: CB):
+               HAS_H0: CB, PREFETCH: CB, YSTACK: CB, TMA: CB, DOT: C, FAST: CB, KV: C):
     """Grid (B * N / HEADS, KSPLIT). q [B,S,Nq,K], k [B,S,Nk,K], v [B,S,N,V], W [Nw,V,V], f [B,S,Nf],
     h0 / h_out [B,N,K,V]; y [B,S,N,V], or with KSPLIT > 1 an fp32 [KSPLIT*B,S,N,V] of partials.
     G* = value heads per q / k / W / f head; a head block reads one shared head (G % HEADS == 0)
@@ -172,9 +173,27 @@ def _m2rnn_fwd(q, k, v, W, f, h0, y, h_out,
         else:
             qf = qc.reshape((QH, BK, T)).astype(ct.float32)
             yc = ct.zeros((HEADS, T, V), dtype=ct.float32)
+        if KV != 0:
+            kb = kc.reshape((KH, BK, T))
+            vb = vc.reshape((HEADS, T, V))
+            tcol = ct.arange(T, dtype=ct.int32).reshape((1, 1, T))
+            kzero = ct.zeros((KH, BK, T), dtype=kb.dtype)
+            if KV == 2:
+                wv = ct.cat((w_hi.reshape((WH, V, V)), vb.astype(ct.bfloat16)), 1)
         for i in ct.static_iter(range(T)):
-            acc = ct.extract(kf, (0, 0, i), (KH, BK, 1)) * ct.extract(vf, (0, i, 0), (HEADS, 1, V))
-            a = _step_product(h, w_hi, w_lo, acc, DOT)
+            if KV == 0:
+                acc = ct.extract(kf, (0, 0, i), (KH, BK, 1)) * ct.extract(vf, (0, i, 0), (HEADS, 1, V))
+                a = _step_product(h, w_hi, w_lo, acc, DOT)
+            elif KV == 1:
+                # k_t v_t^T as a product of the one-hot-masked chunk k [BK, T] and the chunk v [T, V]: exact
+                # (one bf16 x bf16 product per element), and in the mma accumulator layout directly.
+                km = ct.where(tcol == i, kb, kzero)
+                acc = ct.mma(km, vb, ct.zeros((HEADS, BK, V), dtype=ct.float32))
+                a = _step_product(h, w_hi, w_lo, acc, DOT)
+            else:
+                km = ct.where(tcol == i, kb, kzero)
+                a = ct.mma(ct.cat((h.astype(ct.bfloat16), km.astype(ct.bfloat16)), 2), wv,
+                           ct.zeros((HEADS, BK, V), dtype=ct.float32))
             if FAST:
                 z = ct.tanh(a, rounding_mode=ct.RoundingMode.APPROX)
             else:
@@ -228,6 +247,14 @@ def config_reason(config: dict, shape: dict) -> str | None:
         return f"dtype {dt} not supported (have {', '.join(DTYPES)})"
     if config["DOT"] not in DOTS:
         return f"DOT={config['DOT']!r} must be one of {', '.join(DOTS)}"
+    if config["KV"] not in KVS:
+        return f"KV={config['KV']!r} must be one of {', '.join(KVS)}"
+    if config["KV"] != "outer" and (dt != "bfloat16" or config["T"] < 16):
+        return (f"KV={config['KV']}: k v^T as a product over the chunk needs bf16 inputs (exact products) and "
+                f"T >= 16 (the mma's K; T={config['T']})")
+    if config["KV"] == "cat" and (config["DOT"] != "bf16" or config["T"] != V or config["HEADS"] != 1):
+        return (f"KV=cat: [H | k] [W ; v] needs DOT=bf16, HEADS=1 and T == V (cat takes equal shapes; "
+                f"T={config['T']}, V={V})")
     if config["num_worker_warps"] not in (0, 4, 8):
         # cuda-tile 1.7.0 writes TileIR bytecode 13.4, where only 4 and 8 exist (1, 2, 16, 32 need 13.5).
         return f"num_worker_warps={config['num_worker_warps']} must be 0 (auto), 4 or 8"
@@ -297,7 +324,8 @@ def _consts(config: dict, shape: dict) -> tuple:
     g = _groups(shape)
     return (shape["N"], shape["V"], g["Nq"], g["Nk"], g["Nw"], g["Nf"], config["HEADS"],
             shape["K"] // config["K_SPLIT"], config["K_SPLIT"], config["T"], bool(shape["h0"]),
-            config["PREFETCH"], config["YSTACK"], config["TMA"], _dot(config, shape), config["FAST_TANH"])
+            config["PREFETCH"], config["YSTACK"], config["TMA"], _dot(config, shape), config["FAST_TANH"],
+            KVS.index(config["KV"]))
 
 
 def _signature(config: dict, shape: dict):
