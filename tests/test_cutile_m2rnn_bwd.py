@@ -98,9 +98,9 @@ def test_config_rules():
     assert "FAST_TANH" in lane.config_reason(cfg(FAST_TANH=1), shape)
     assert "num_worker_warps" in lane.config_reason(cfg(num_worker_warps=3), shape)
     assert "T_RE" in lane.config_reason(cfg(T_RE=32, CKPT=16), shape)
+    assert "T_RE" in lane.config_reason(cfg(T_RE=2, T=4), shape)
     assert "KV" in lane.config_reason(cfg(KV="dot"), shape)
     assert "KV=mma" in lane.config_reason(cfg(KV="mma", T_RE=16), {**shape, "dtype": "float32"})
-    assert "T_RE=2" in lane.config_reason(cfg(KV="mma", T=2), shape)     # T_RE = 0 means T
     assert lane.config_reason(cfg(KV="mma", T=2, T_RE=16), shape) is None
     assert "dtype" in lane.config_reason(D, {**shape, "dtype": "float16"})
     assert "exceeds" in lane.config_reason(D, {**shape, "K": 128})
@@ -244,7 +244,10 @@ def test_schedule_orders_buffers_by_launches():
                                           (cfg(CKPT=16, T=2, T_FWD=4, WALK="chunk", ROLES="fused"), "float32"),
                                           (cfg(CKPT=16, T=8, T_FWD=16, WALK="chunk"), "bfloat16"),
                                           (cfg(CKPT=16, T=2, T_FWD=16, T_RE=16, KV="mma"), "bfloat16"),
-                                          (cfg(CKPT=16, T=4, T_FWD=16, T_RE=16, KV="mma", ROLES="fused"), "bfloat16")])
+                                          (cfg(CKPT=16, T=4, T_FWD=16, T_RE=16, KV="mma", ROLES="fused"), "bfloat16"),
+                                          # chunks shorter than the 16-step window of the one-hot products
+                                          (cfg(CKPT=32, T=2, T_FWD=8, KV="mma"), "bfloat16"),
+                                          (cfg(CKPT=16, T=4, T_FWD=4, T_RE=8, KV="mma", ROLES="fused"), "bfloat16")])
 def test_kernel_bodies_match_bptt(config, dtype, tile_methods):
     # Ragged S (not a multiple of T or CKPT), padded K and V, every head-sharing pattern, h0. fp64 stands
     # in for the kernels' fp32 math (the lane's buffers are fp32) and bf16 operands (DOT=input) stay

@@ -161,28 +161,38 @@ def _gates(f, b, h, c, T, S):
     return ct.where(pos < S, fc, 1.0)
 
 
-def _chunk_kv(kc, vc, KV):
-    """The chunk's k [BK, T] and v [T, BV] as ``_kv`` takes them: bf16 with KV (exact, the inputs are bf16)."""
+KW = 16   # steps of the window the one-hot products take as their K (the bf16 mma's K is 16)
+
+
+def _pair(x, y, b, hx, hy, c, T, BX, BY, KV):
+    """Chunk c's x as [BX, T] and y as [T, BY] (one step per column / row), and where step i of the chunk is
+    in them. With KV the tiles are bf16 (exact: the inputs are bf16) and, for chunks shorter than KW, those of
+    the KW-step window holding the chunk (the one-hot product needs K >= 16), at offset (c*T) % KW."""
     if KV:
-        return kc.astype(ct.bfloat16), vc.astype(ct.bfloat16)
-    return kc, vc
+        if T < KW:
+            cw = (c * T) // KW
+            return (_cols(x, b, hx, cw, KW, BX).astype(ct.bfloat16), _rows(y, b, hy, cw, KW, BY).astype(ct.bfloat16),
+                    (c * T) % KW)
+        return _cols(x, b, hx, c, T, BX).astype(ct.bfloat16), _rows(y, b, hy, c, T, BY).astype(ct.bfloat16), 0
+    return _cols(x, b, hx, c, T, BX), _rows(y, b, hy, c, T, BY), 0
 
 
-def _kv(kc, vc, i, BK, BV, T, KV):
-    """k_i v_i^T [BK, BV] fp32 for step i of a chunk. With KV it is the product of the chunk's k with its
-    columns other than i zeroed and the chunk's v: tileiras writes that straight into the mma accumulator
-    layout, where the broadcast outer product cost about 70 shuffles and selects per step (sm_90a SASS of the
-    forward lane). Exact either way: one bf16 x bf16 product per element."""
+def _outer(xc, yc, off, i, BX, BY, T, KV):
+    """x_i y_i^T [BX, BY] fp32 for step i of a chunk from ``_pair``'s tiles. With KV it is the product of x's
+    tile with its columns other than off + i zeroed and y's tile: tileiras writes that straight into the mma
+    accumulator layout, where the broadcast outer product cost about 70 shuffles and selects per step (sm_90a
+    SASS of the forward lane). Exact either way: one bf16 x bf16 product per element."""
     if KV:
-        km = ct.where(ct.arange(T, dtype=ct.int32).reshape((1, T)) == i, kc, ct.zeros((BK, T), dtype=ct.bfloat16))
-        return ct.mma(km, vc, ct.zeros((BK, BV), dtype=F32))
-    return ct.extract(kc, (0, i), (BK, 1)) * ct.extract(vc, (i, 0), (1, BV))
+        W = max(T, KW)
+        xm = ct.where(ct.arange(W, dtype=ct.int32).reshape((1, W)) == off + i, xc, ct.zeros((BX, W), dtype=ct.bfloat16))
+        return ct.mma(xm, yc, ct.zeros((BX, BY), dtype=F32))
+    return ct.extract(xc, (0, i), (BX, 1)) * ct.extract(yc, (i, 0), (1, BY))
 
 
-def _step(h, w, kc, vc, ff, i, BK, BV, T, DOT, FAST, KV):
+def _step(h, w, kc, vc, off, ff, i, BK, BV, T, DOT, FAST, KV):
     """(Z, H') of step i of a chunk from the state h: Z = tanh(h W + k v^T), H' = f h + (1 - f) Z."""
     ft = ct.extract(ff, (0, i), (1, 1))
-    z = _tanh(_prod(h, w, _kv(kc, vc, i, BK, BV, T, KV), DOT, True), FAST)
+    z = _tanh(_prod(h, w, _outer(kc, vc, off, i, BK, BV, T, KV), DOT, True), FAST)
     return z, ft * h + (1.0 - ft) * z
 
 
@@ -205,11 +215,11 @@ def _fwd_ckpt(k, v, W, f, dy, h0, ckpt, dq,
         ct.store(ckpt, (bn, j, 0, 0), h.reshape((1, 1, BK, BV)))
         for cc in range(min(per, nch - j * per)):
             c = j * per + cc
-            kc, vc = _chunk_kv(_cols(k, b, n // GK, c, T, BK), _rows(v, b, n, c, T, BV), KV)
+            kc, vc, off = _pair(k, v, b, n // GK, n, c, T, BK, BV, KV)
             ff = _gates(f, b, n // GF, c, T, S)
             hs = ct.zeros((T, BK, BV), dtype=F32)
             for i in ct.static_iter(range(T)):
-                z, h = _step(h, w, kc, vc, ff, i, BK, BV, T, DOT, FAST, KV)
+                z, h = _step(h, w, kc, vc, off, ff, i, BK, BV, T, DOT, FAST, KV)
                 hs = ct.insert(hs, (i, 0, 0), h.reshape((1, BK, BV)))
             dqc = ct.sum(hs * _rows(dy, b, n, c, T, BV).reshape((T, 1, BV)), axis=2)        # [T, BK]
             ct.store(dq, (b, n, c, 0), dqc.reshape((1, 1, T, BK)), order=(0, 2, 1, 3))
@@ -218,17 +228,19 @@ def _fwd_ckpt(k, v, W, f, dy, h0, ckpt, dq,
 def _recompute(k, v, w, f, ckpt, sc, b, n, bn, jr, Lr, S,
                GK, GF, BK, BV, CKPT, T, DOT, FAST, KV):
     """sc[bn, i] = the state before step jr*CKPT + i, for the Lr steps of segment jr (whole chunks of T,
-    the recompute's own chunk: the scratch rows do not depend on it)."""
+    the recompute's own chunk: the scratch rows do not depend on it). Lr is rounded up to whole walk chunks
+    by the caller: the walk reads every row of its chunks (rows past S keep the state: f = 1 there); T >= the
+    walk's chunk, so no chunk starts past S."""
     h = ct.load(ckpt, (bn, jr, 0, 0), (1, 1, BK, BV)).reshape((BK, BV))
     per = CKPT // T
     for c in range(ct.cdiv(Lr, T)):
         cg = jr * per + c
-        kc, vc = _chunk_kv(_cols(k, b, n // GK, cg, T, BK), _rows(v, b, n, cg, T, BV), KV)
+        kc, vc, off = _pair(k, v, b, n // GK, n, cg, T, BK, BV, KV)
         ff = _gates(f, b, n // GF, cg, T, S)
         hs = ct.zeros((T, BK, BV), dtype=F32)
         for i in ct.static_iter(range(T)):
             hs = ct.insert(hs, (i, 0, 0), h.reshape((1, BK, BV)))
-            z, h = _step(h, w, kc, vc, ff, i, BK, BV, T, DOT, FAST, KV)
+            z, h = _step(h, w, kc, vc, off, ff, i, BK, BV, T, DOT, FAST, KV)
         ct.store(sc, (bn, c, 0, 0), hs.reshape((1, T, BK, BV)))
 
 
@@ -277,7 +289,7 @@ def _walk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n,
 
 
 def _walk_chunk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
-                GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST):
+                GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, KV):
     """The walk of ``_walk`` with everything that is not on the chain batched per chunk of T steps: the
     chunk's states [T, BK, BV] in one load, Z = tanh(H W + k v^T) as one batched product, then only
     G = dH + q dy^T, dX = (1 - f)(1 - Z^2) G, dH = dX W^T + f G per unrolled step (dX and G stacked),
@@ -296,14 +308,22 @@ def _walk_chunk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df,
         cg = jw * per + c
         hc = ct.load(sc, (bn, c, 0, 0), (1, T, BK, BV)).reshape((T, BK, BV))
         kr = _rows(k, b, n // GK, cg, T, BK).reshape((T, BK, 1))
-        qr = _rows(q, b, n // GQ, cg, T, BK).reshape((T, BK, 1))
         vr = _rows(v, b, n, cg, T, BV).reshape((T, 1, BV))
-        dyr = _rows(dy, b, n, cg, T, BV).reshape((T, 1, BV))
         ff = _gates(f, b, n // GF, cg, T, S).reshape((T, 1, 1))
-        z = _tanh(_prod(hc, w, kr * vr, DOT, True), FAST)
+        if KV:
+            kw, vw, off = _pair(k, v, b, n // GK, n, cg, T, BK, BV, KV)
+            qw, dyw, off = _pair(q, dy, b, n // GQ, n, cg, T, BK, BV, KV)
+            kv = ct.zeros((T, BK, BV), dtype=F32)
+            qdy = ct.zeros((T, BK, BV), dtype=F32)
+            for i in ct.static_iter(range(T)):
+                kv = ct.insert(kv, (i, 0, 0), _outer(kw, vw, off, i, BK, BV, T, KV).reshape((1, BK, BV)))
+                qdy = ct.insert(qdy, (i, 0, 0), _outer(qw, dyw, off, i, BK, BV, T, KV).reshape((1, BK, BV)))
+        else:
+            kv = kr * vr
+            qdy = _rows(q, b, n // GQ, cg, T, BK).reshape((T, BK, 1)) * _rows(dy, b, n, cg, T, BV).reshape((T, 1, BV))
+        z = _tanh(_prod(hc, w, kv, DOT, True), FAST)
         dz = (1.0 - ff) * (1.0 - z * z)
         e = hc - z
-        qdy = qr * dyr
         dxs = ct.zeros((T, BK, BV), dtype=F32)
         gs = ct.zeros((T, BK, BV), dtype=F32)
         for ii in ct.static_iter(range(T)):
@@ -339,21 +359,21 @@ def _seg(q, k, v, W, f, dy, ckpt, sc_in, sc_out, dh_in, dw_in, dh_out, dw_out, d
     w = _load_w(W, n // GW, BV)
     if SPLIT:
         if ct.bid(1) == 0:
-            _recompute(k, v, w, f, ckpt, sc_out, b, n, bn, jr, Lr, S, GK, GF, BK, BV, CKPT, TR, DOT, FAST, KV)
+            _recompute(k, v, w, f, ckpt, sc_out, b, n, bn, jr, ct.cdiv(Lr, T) * T, S, GK, GF, BK, BV, CKPT, TR, DOT, FAST, KV)
         else:
             _walk_any(q, k, v, w, f, dy, sc_in, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
-                      GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, CHUNKW)
+                      GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, CHUNKW, KV)
     else:
-        _recompute(k, v, w, f, ckpt, sc_out, b, n, bn, jr, Lr, S, GK, GF, BK, BV, CKPT, TR, DOT, FAST, KV)
+        _recompute(k, v, w, f, ckpt, sc_out, b, n, bn, jr, ct.cdiv(Lr, T) * T, S, GK, GF, BK, BV, CKPT, TR, DOT, FAST, KV)
         _walk_any(q, k, v, w, f, dy, sc_in, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
-                  GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, CHUNKW)
+                  GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, CHUNKW, KV)
 
 
 def _walk_any(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
-              GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, CHUNKW):
+              GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, CHUNKW, KV):
     if CHUNKW:
         _walk_chunk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
-                    GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST)
+                    GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, KV)
     else:
         _walk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
               GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST)
@@ -413,14 +433,14 @@ def config_reason(config: dict, shape: dict) -> str | None:
     for key in ("T", "T_FWD"):
         if config[key] not in CHUNKS or config[key] > config["CKPT"]:
             return f"{key}={config[key]} must be one of {', '.join(map(str, CHUNKS))} and at most CKPT={config['CKPT']}"
-    if config["T_RE"] != 0 and (config["T_RE"] not in CHUNKS or config["T_RE"] > config["CKPT"]):
-        return (f"T_RE={config['T_RE']} must be 0 (= T) or one of {', '.join(map(str, CHUNKS))}, and at most "
-                f"CKPT={config['CKPT']}")
+    if config["T_RE"] != 0 and (config["T_RE"] not in CHUNKS or not config["T"] <= config["T_RE"] <= config["CKPT"]):
+        # A recompute chunk shorter than the walk's would have to load tiles wholly past a ragged S.
+        return (f"T_RE={config['T_RE']} must be 0 (= T) or one of {', '.join(map(str, CHUNKS))}, at least "
+                f"T={config['T']} and at most CKPT={config['CKPT']}")
     if config["KV"] not in KVS:
         return f"KV={config['KV']!r} must be one of {', '.join(KVS)}"
-    if config["KV"] == "mma" and (shape["dtype"] != "bfloat16" or min(config["T_FWD"], _t_re(config)) < 16):
-        return (f"KV=mma: k v^T as a product over the chunk needs bf16 inputs (exact products) and T_FWD, T_RE >= 16 "
-                f"(the mma's K; T_FWD={config['T_FWD']}, T_RE={_t_re(config)})")
+    if config["KV"] == "mma" and shape["dtype"] != "bfloat16":
+        return "KV=mma: the one-hot products need bf16 inputs (exact products)"
     if _block(shape["K"]) * _block(shape["V"]) * max(config["T"], _t_re(config)) > 16_384:
         return (f"T={config['T']} stacked states of [{_block(shape['K'])}, {_block(shape['V'])}] exceed 16K fp32 "
                 f"(a CTA's registers)")
