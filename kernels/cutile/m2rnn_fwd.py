@@ -25,6 +25,13 @@ tiles in local memory (spills), hence the unrolling. Plain strides (no 16-byte d
 facts) gave scalar 2-byte loads; the signature below records the divisibility the JIT sees.
 Without an occupancy hint tileiras takes 168 registers x 384 threads (1 CTA per SM: b8_n84's 672
 CTAs would run in 6 waves); occupancy = 3 gives 80 registers x 256 threads, no spills.
+KV (2026-11-23): the broadcast k_t v_t^T took ~70 of the ~120 SASS instructions of a step (quad shuffles
+and selects building the accumulator layout). KV = "mma" computes it as the product of the chunk's k
+[BK, T] with every column but t zeroed and the chunk's v [T, V] (exact: one bf16 product per element), which
+tileiras writes straight into the accumulator: ~47 instructions per step. "cat" folds it into the step's
+product ([H | k] [W ; v], K = 32). Measured (H100, 2026-11-23, sweep results/h100/m2rnn_fwd/20261123T053146Z-*,
+parity ok): KV = mma at occupancy 2 (128 registers, no spills), the default, 0.944 / 1.058 / 2.842 ms at
+b2_n8 / b4_n44 / b8_n84 against 1.254 / 1.888 / 4.356 for the best KV = outer seeds of the same run.
 
 Tunables (values in sweeps/m2rnn_fwd/cutile.toml):
   num_worker_warps  0 (auto), 4, 8: warps of the compute warp group. cuda-tile 1.7.0 writes TileIR
@@ -68,8 +75,8 @@ DSL = "cutile"
 KERNEL = "m2rnn_fwd"
 TUNABLES = ("num_worker_warps", "occupancy", "K_SPLIT", "HEADS", "T", "PREFETCH", "YSTACK", "TMA", "DOT",
             "FAST_TANH", "KV")
-DEFAULTS = {"num_worker_warps": 0, "occupancy": 3, "K_SPLIT": 1, "HEADS": 1, "T": 16, "PREFETCH": True,
-            "YSTACK": True, "TMA": True, "DOT": "bf16", "FAST_TANH": True, "KV": "outer"}
+DEFAULTS = {"num_worker_warps": 0, "occupancy": 2, "K_SPLIT": 1, "HEADS": 1, "T": 16, "PREFETCH": True,
+            "YSTACK": True, "TMA": True, "DOT": "bf16", "FAST_TANH": True, "KV": "mma"}
 TARGETS = tuple(f"sm_{a}a" if a >= 90 else f"sm_{a}" for a in ARCHS)
 DTYPES = ("float32", "bfloat16")
 DOTS = ("bf16", "tf32", "tf32x3", "f32")
