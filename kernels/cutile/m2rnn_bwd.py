@@ -46,6 +46,14 @@ step. Measured (H100, 2026-11-23, sweep results/h100/m2rnn_bwd/20261123T031047Z-
 (results/logs/m2rnn-s5-device-11-*) puts b2_n8 at 4.2 ms in the 65 segment launches (1.0 us per walked
 step) and 1.75 ms in the checkpoint forward. Loading the next chunk's inputs ahead (tried, reverted) was
 slower (5.5 ms of segments) and hung at T = 4 (results/logs/m2rnn-s5-device-16-*).
+KV = "mma" (2026-11-23) takes the forward lane's fix for the broadcast outer products (``_pair`` / ``_outer``):
+k v^T in the checkpoint forward, the recompute and the walk's Z, and q dy^T in the walk, as one-hot masked
+products over 16-step windows; T_RE sets the recompute's chunk (0: T). Measured (H100, 2026-11-23, sweep
+results/h100/m2rnn_bwd/20261123T054926Z-*, parity ok): 6.30 / 10.05 / 29.45 ms at b2_n8 / b4_n44 / b8_n84
+(best KV = mma seeds) against 5.92 / 12.36 / 37.53 for the default (KV = outer, occupancy 1) in the same run
+and 28.18 for KV = outer at occupancy 3 (031047Z-*) at b8_n84. The profile (results/logs/m2rnn-s6-device-5-*)
+puts the checkpoint forward at 1.39 ms against 1.76 at b2_n8 but the 65 segment launches at 5.1 ms against
+4.2 with T_RE = 16: the walk, not the forward, is the gap, so the default stays KV = "outer".
 Steps past a ragged S read zero q / k / v / dy and get f = 1, so they leave dH unchanged and add
 nothing; stores drop rows past S. K and V are padded to powers of two >= 16 (BK, BV): zero-padded
 loads keep padded rows / columns of H and dH at zero.

@@ -52,6 +52,8 @@ Tunables (values in sweeps/m2rnn_fwd/cutile.toml):
                     tf32x3 when asked, otherwise f32 (as the Triton lane's fp32 shapes use ieee)
   FAST_TANH         ct.tanh(rounding_mode=APPROX): MUFU.TANH (tanh.approx.f32) vs the full-precision
                     tanh (rounding_mode FULL, the default)
+  KV                k_t v_t^T: "outer" (broadcast product), "mma" (one-hot masked chunk product; bf16
+                    inputs, T >= 16), "cat" ([H | k] [W ; v]; DOT bf16, HEADS 1, T == V)
 
 Read for the API (no code copied): cuda-tile 1.7.0 ``cuda/tile/_stub.py`` docstrings (load/store
 ``order`` and padding, ``extract``/``insert``, ``static_iter``, ``mma``, ``tanh`` rounding modes),
