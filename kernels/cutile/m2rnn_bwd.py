@@ -236,9 +236,9 @@ def _fwd_ckpt(k, v, W, f, dy, h0, ckpt, dq,
 def _recompute(k, v, w, f, ckpt, sc, b, n, bn, jr, Lr, S,
                GK, GF, BK, BV, CKPT, T, DOT, FAST, KV):
     """sc[bn, i] = the state before step jr*CKPT + i, for the Lr steps of segment jr (whole chunks of T,
-    the recompute's own chunk: the scratch rows do not depend on it). Lr is rounded up to whole walk chunks
-    by the caller: the walk reads every row of its chunks (rows past S keep the state: f = 1 there); T >= the
-    walk's chunk, so no chunk starts past S."""
+    the recompute's own chunk: the scratch rows do not depend on it). T is a power-of-two multiple of the
+    walk's chunk (config_reason), so these chunks cover every row the walk's chunks read (rows past S keep
+    the state: f = 1 there) and none starts past S."""
     h = ct.load(ckpt, (bn, jr, 0, 0), (1, 1, BK, BV)).reshape((BK, BV))
     per = CKPT // T
     for c in range(ct.cdiv(Lr, T)):
@@ -367,12 +367,12 @@ def _seg(q, k, v, W, f, dy, ckpt, sc_in, sc_out, dh_in, dw_in, dh_out, dw_out, d
     w = _load_w(W, n // GW, BV)
     if SPLIT:
         if ct.bid(1) == 0:
-            _recompute(k, v, w, f, ckpt, sc_out, b, n, bn, jr, ct.cdiv(Lr, T) * T, S, GK, GF, BK, BV, CKPT, TR, DOT, FAST, KV)
+            _recompute(k, v, w, f, ckpt, sc_out, b, n, bn, jr, Lr, S, GK, GF, BK, BV, CKPT, TR, DOT, FAST, KV)
         else:
             _walk_any(q, k, v, w, f, dy, sc_in, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
                       GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, CHUNKW, KV)
     else:
-        _recompute(k, v, w, f, ckpt, sc_out, b, n, bn, jr, ct.cdiv(Lr, T) * T, S, GK, GF, BK, BV, CKPT, TR, DOT, FAST, KV)
+        _recompute(k, v, w, f, ckpt, sc_out, b, n, bn, jr, Lr, S, GK, GF, BK, BV, CKPT, TR, DOT, FAST, KV)
         _walk_any(q, k, v, w, f, dy, sc_in, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
                   GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, CHUNKW, KV)
 

@@ -193,16 +193,16 @@ def _m2rnn_fwd(q, k, v, W, f, h0, y, h_out,
             if KV == 0:
                 acc = ct.extract(kf, (0, 0, i), (KH, BK, 1)) * ct.extract(vf, (0, i, 0), (HEADS, 1, V))
                 a = _step_product(h, w_hi, w_lo, acc, DOT)
-            elif KV == 1:
+            else:
                 # k_t v_t^T as a product of the one-hot-masked chunk k [BK, T] and the chunk v [T, V]: exact
                 # (one bf16 x bf16 product per element), and in the mma accumulator layout directly.
                 km = ct.where(tcol == i, kb, kzero)
-                acc = ct.mma(km, vb, ct.zeros((HEADS, BK, V), dtype=ct.float32))
-                a = _step_product(h, w_hi, w_lo, acc, DOT)
-            else:
-                km = ct.where(tcol == i, kb, kzero)
-                a = ct.mma(ct.cat((h.astype(ct.bfloat16), km.astype(ct.bfloat16)), 2), wv,
-                           ct.zeros((HEADS, BK, V), dtype=ct.float32))
+                if KV == 1:
+                    acc = ct.mma(km, vb, ct.zeros((HEADS, BK, V), dtype=ct.float32))
+                    a = _step_product(h, w_hi, w_lo, acc, DOT)
+                else:
+                    a = ct.mma(ct.cat((h.astype(ct.bfloat16), km.astype(ct.bfloat16)), 2), wv,
+                               ct.zeros((HEADS, BK, V), dtype=ct.float32))
             if FAST:
                 z = ct.tanh(a, rounding_mode=ct.RoundingMode.APPROX)
             else:
