@@ -162,9 +162,10 @@ def _rows(x, b, h, c, T, BX):
     return ct.load(x, (b, h, c, 0), (1, 1, T, BX), order=(0, 2, 1, 3), padding_mode=ZERO).reshape((T, BX)).astype(F32)
 
 
-def _gates(f, b, h, c, T, S):
-    """f of steps [c*T, c*T + T) as [1, T] fp32, 1 past S (a step that keeps the state as it is)."""
-    fc = ct.load(f, (b, h, c), (1, 1, T), order=(0, 2, 1), padding_mode=ZERO).reshape((1, T)).astype(F32)
+def _gates(f, b, h, c, T, S, cl):
+    """f of steps [c*T, c*T + T) as [1, T] fp32, 1 past S (a step that keeps the state as it is); loaded
+    from chunk cl (c, or a chunk holding a step < S when chunk c is wholly past S)."""
+    fc = ct.load(f, (b, h, cl), (1, 1, T), order=(0, 2, 1), padding_mode=ZERO).reshape((1, T)).astype(F32)
     pos = ct.arange(T, dtype=ct.int32).reshape((1, T)) + c * T
     return ct.where(pos < S, fc, 1.0)
 
@@ -224,7 +225,7 @@ def _fwd_ckpt(k, v, W, f, dy, h0, ckpt, dq,
         for cc in range(min(per, nch - j * per)):
             c = j * per + cc
             kc, vc, off = _pair(k, v, b, n // GK, n, c, T, BK, BV, KV)
-            ff = _gates(f, b, n // GF, c, T, S)
+            ff = _gates(f, b, n // GF, c, T, S, c)
             hs = ct.zeros((T, BK, BV), dtype=F32)
             for i in ct.static_iter(range(T)):
                 z, h = _step(h, w, kc, vc, off, ff, i, BK, BV, T, DOT, FAST, KV)
@@ -244,7 +245,7 @@ def _recompute(k, v, w, f, ckpt, sc, b, n, bn, jr, Lr, S,
     for c in range(ct.cdiv(Lr, T)):
         cg = jr * per + c
         kc, vc, off = _pair(k, v, b, n // GK, n, cg, T, BK, BV, KV)
-        ff = _gates(f, b, n // GF, cg, T, S)
+        ff = _gates(f, b, n // GF, cg, T, S, cg)
         hs = ct.zeros((T, BK, BV), dtype=F32)
         for i in ct.static_iter(range(T)):
             hs = ct.insert(hs, (i, 0, 0), h.reshape((1, BK, BV)))
@@ -268,7 +269,7 @@ def _walk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n,
         qc = _cols(q, b, n // GQ, cg, T, BK)
         vc = _rows(v, b, n, cg, T, BV)
         dyc = _rows(dy, b, n, cg, T, BV)
-        ff = _gates(f, b, n // GF, cg, T, S)
+        ff = _gates(f, b, n // GF, cg, T, S, cg)
         dks = ct.zeros((BK, T), dtype=F32)
         dfs = ct.zeros((BK, T), dtype=F32)
         dvs = ct.zeros((T, BV), dtype=F32)
@@ -317,7 +318,7 @@ def _walk_chunk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df,
         hc = ct.load(sc, (bn, c, 0, 0), (1, T, BK, BV)).reshape((T, BK, BV))
         kr = _rows(k, b, n // GK, cg, T, BK).reshape((T, BK, 1))
         vr = _rows(v, b, n, cg, T, BV).reshape((T, 1, BV))
-        ff = _gates(f, b, n // GF, cg, T, S).reshape((T, 1, 1))
+        ff = _gates(f, b, n // GF, cg, T, S, cg).reshape((T, 1, 1))
         if KV:
             kw, vw, off = _pair(k, v, b, n // GK, n, cg, T, BK, BV, KV)
             qw, dyw, off = _pair(q, dy, b, n // GQ, n, cg, T, BK, BV, KV)
@@ -372,59 +373,68 @@ def _walk_win(q, k, v, w, f, dy, koh, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, 
     dH = ct.load(dh_in, (bn, 0, 0), (1, BK, BV)).reshape((BK, BV))
     dwp = ct.load(dw_in, (bn, 0, 0), (1, MP, BV), padding_mode=ZERO).reshape((MP, BV))
     col = ct.arange(KW, dtype=ct.int32).reshape((1, KW))
-    adk = ct.zeros((BK, KW), dtype=F32)
-    adf = ct.zeros((BK, KW), dtype=F32)
-    adv = ct.zeros((MP, BV), dtype=F32)
     per = CKPT // T
-    nch = ct.cdiv(Lw, T)
-    for cc in range(nch):
-        c = nch - 1 - cc
-        cg = jw * per + c
-        wi = (cg * T) // KW
-        off = (cg * T) % KW
-        hc = ct.load(sc, (bn, c, 0, 0), (1, T, BK, BV)).reshape((T, BK, BV))
-        ff = _gates(f, b, n // GF, cg, T, S).reshape((T, 1, 1))
-        if KV:
-            kw, vw, o2 = _pair(k, v, b, n // GK, n, cg, T, BK, BV, KV)
-            qw, dyw, o2 = _pair(q, dy, b, n // GQ, n, cg, T, BK, BV, KV)
-            kv = ct.zeros((T, BK, BV), dtype=F32)
-            qdy = ct.zeros((T, BK, BV), dtype=F32)
-            for i in ct.static_iter(range(T)):
-                kv = ct.insert(kv, (i, 0, 0), _outer(kw, vw, o2, i, BK, BV, T, KV).reshape((1, BK, BV)))
-                qdy = ct.insert(qdy, (i, 0, 0), _outer(qw, dyw, o2, i, BK, BV, T, KV).reshape((1, BK, BV)))
-        else:
-            kv = _rows(k, b, n // GK, cg, T, BK).reshape((T, BK, 1)) * _rows(v, b, n, cg, T, BV).reshape((T, 1, BV))
-            qdy = _rows(q, b, n // GQ, cg, T, BK).reshape((T, BK, 1)) * _rows(dy, b, n, cg, T, BV).reshape((T, 1, BV))
+    cpw = KW // T                        # chunks per window
+    last = ct.cdiv(S, T) - 1             # the last chunk holding a step < S
+    lastw = ct.cdiv(Lw, T) - 1           # the same in the segment: the scratch rows after it are not written
+    nwin = ct.cdiv(Lw, KW)
+    for wc in range(nwin):
+        wl = nwin - 1 - wc
+        wi = jw * (CKPT // KW) + wl
         vwin = ct.load(v, (b, n, 0, wi), (1, 1, BV, KW), order=(0, 2, 3, 1), padding_mode=ZERO).reshape((BV, KW))
-        z = _tanh(_prod(hc, w, kv, 0, True), FAST)
-        dz = (1.0 - ff) * (1.0 - z * z)
-        e = hc - z
-        dxs = ct.zeros((T, BK, BV), dtype=ct.bfloat16)
-        for ii in ct.static_iter(range(T)):
-            i = T - 1 - ii
-            G = dH + ct.extract(qdy, (i, 0, 0), (1, BK, BV)).reshape((BK, BV))
-            dX = ct.extract(dz, (i, 0, 0), (1, BK, BV)).reshape((BK, BV)) * G
-            ft = ct.extract(ff, (i, 0, 0), (1, 1, 1)).reshape((1, 1))
-            dxb = dX.astype(ct.bfloat16)
-            dH = ct.mma(dxb, wt.astype(ct.bfloat16), ft * G)
-            dxs = ct.insert(dxs, (i, 0, 0), dxb.reshape((1, BK, BV)))
-            sel = col == off + i
-            adk = ct.where(sel, ct.mma(dxb, vwin, ct.zeros((BK, KW), dtype=F32)), adk)
-            rs = ct.sum(G * ct.extract(e, (i, 0, 0), (1, BK, BV)).reshape((BK, BV)), axis=1, keepdims=True)
-            adf = ct.where(sel, rs, adf)
-        dxm = dxs.reshape((T * BK, BV))
-        kon = ct.load(koh, (b, n // GK, 0, cg, 0), (1, 1, MP, T, BK), order=(0, 2, 3, 1, 4), padding_mode=ZERO)
-        adv = ct.mma(kon.reshape((MP, T * BK)), dxm, adv)
-        hpt = ct.load(sc, (bn, 0, c, 0), (1, MP, T, BK), order=(0, 3, 1, 2), padding_mode=ZERO)
-        dwp = ct.mma(hpt.reshape((MP, T * BK)).astype(ct.bfloat16), dxm, dwp)
-        if off == 0:
-            # The window's first step is walked: its dk / dv / df are complete.
-            ct.store(dk, (b, n, 0, wi), adk.reshape((1, 1, BK, KW)), order=(0, 2, 3, 1))
-            ct.store(dv, (b, n, wi, 0), ct.extract(adv, (0, 0), (KW, BV)).reshape((1, 1, KW, BV)), order=(0, 2, 1, 3))
-            ct.store(df, (b, n, wi), ct.sum(adf, axis=0).reshape((1, 1, KW)), order=(0, 2, 1))
-            adk = ct.zeros((BK, KW), dtype=F32)
-            adf = ct.zeros((BK, KW), dtype=F32)
-            adv = ct.zeros((MP, BV), dtype=F32)
+        adk = ct.zeros((BK, KW), dtype=F32)
+        adf = ct.zeros((BK, KW), dtype=F32)
+        adv = ct.zeros((MP, BV), dtype=F32)
+        for jj in ct.static_iter(range(cpw)):
+            # Whole windows, no branch in the loop (a conditional per-window store inside the chunk loop
+            # hung on the H100). A ragged S leaves chunks wholly past S in the first window walked: their
+            # inputs come from the last chunk in S (a tile wholly outside an array is undefined) and count
+            # for nothing: f = 1 and q dy^T is masked to 0 there, so dX = 0 and dH passes through (their
+            # states come from the segment's last walked chunk: the scratch past it is not written).
+            c = wl * cpw + cpw - 1 - jj
+            cg = jw * per + c
+            cl = min(cg, last)
+            cs = min(c, lastw)
+            off = (cpw - 1 - jj) * T
+            hc = ct.load(sc, (bn, cs, 0, 0), (1, T, BK, BV)).reshape((T, BK, BV))
+            ff = _gates(f, b, n // GF, cg, T, S, cl).reshape((T, 1, 1))
+            inside = (ct.arange(T, dtype=ct.int32).reshape((T, 1, 1)) + cg * T) < S
+            if KV:
+                kw, vw, o2 = _pair(k, v, b, n // GK, n, cl, T, BK, BV, KV)
+                qw, dyw, o2 = _pair(q, dy, b, n // GQ, n, cl, T, BK, BV, KV)
+                kv = ct.zeros((T, BK, BV), dtype=F32)
+                qdy = ct.zeros((T, BK, BV), dtype=F32)
+                for i in ct.static_iter(range(T)):
+                    kv = ct.insert(kv, (i, 0, 0), _outer(kw, vw, o2, i, BK, BV, T, KV).reshape((1, BK, BV)))
+                    qdy = ct.insert(qdy, (i, 0, 0), _outer(qw, dyw, o2, i, BK, BV, T, KV).reshape((1, BK, BV)))
+            else:
+                kv = _rows(k, b, n // GK, cl, T, BK).reshape((T, BK, 1)) * _rows(v, b, n, cl, T, BV).reshape((T, 1, BV))
+                qdy = _rows(q, b, n // GQ, cl, T, BK).reshape((T, BK, 1)) * _rows(dy, b, n, cl, T, BV).reshape((T, 1, BV))
+            qdy = ct.where(inside, qdy, 0.0)
+            z = _tanh(_prod(hc, w, kv, 0, True), FAST)
+            dz = (1.0 - ff) * (1.0 - z * z)
+            e = hc - z
+            dxs = ct.zeros((T, BK, BV), dtype=ct.bfloat16)
+            for ii in ct.static_iter(range(T)):
+                i = T - 1 - ii
+                G = dH + ct.extract(qdy, (i, 0, 0), (1, BK, BV)).reshape((BK, BV))
+                dX = ct.extract(dz, (i, 0, 0), (1, BK, BV)).reshape((BK, BV)) * G
+                ft = ct.extract(ff, (i, 0, 0), (1, 1, 1)).reshape((1, 1))
+                dxb = dX.astype(ct.bfloat16)
+                dH = ct.mma(dxb, wt.astype(ct.bfloat16), ft * G)
+                dxs = ct.insert(dxs, (i, 0, 0), dxb.reshape((1, BK, BV)))
+                sel = col == off + i
+                adk = ct.where(sel, ct.mma(dxb, vwin, ct.zeros((BK, KW), dtype=F32)), adk)
+                rs = ct.sum(G * ct.extract(e, (i, 0, 0), (1, BK, BV)).reshape((BK, BV)), axis=1, keepdims=True)
+                adf = ct.where(sel, rs, adf)
+            dxm = dxs.reshape((T * BK, BV))
+            kon = ct.load(koh, (b, n // GK, 0, cl, 0), (1, 1, MP, T, BK), order=(0, 2, 3, 1, 4), padding_mode=ZERO)
+            adv = ct.mma(kon.reshape((MP, T * BK)), dxm, adv)
+            hpt = ct.load(sc, (bn, 0, cs, 0), (1, MP, T, BK), order=(0, 3, 1, 2), padding_mode=ZERO)
+            dwp = ct.mma(hpt.reshape((MP, T * BK)).astype(ct.bfloat16), dxm, dwp)
+        ct.store(dk, (b, n, 0, wi), adk.reshape((1, 1, BK, KW)), order=(0, 2, 3, 1))
+        ct.store(dv, (b, n, wi, 0), ct.extract(adv, (0, 0), (KW, BV)).reshape((1, 1, KW, BV)), order=(0, 2, 1, 3))
+        ct.store(df, (b, n, wi), ct.sum(adf, axis=0).reshape((1, 1, KW)), order=(0, 2, 1))
     ct.store(dh_out, (bn, 0, 0), dH.reshape((1, BK, BV)))
     ct.store(dw_out, (bn, 0, 0), ct.extract(dwp, (0, 0), (BV, BV)).reshape((1, BV, BV)))
 
