@@ -108,7 +108,7 @@ TARGETS = tuple(f"sm_{a}a" if a in (90, 100, 103, 110, 120, 121) else f"sm_{a}" 
 DTYPES = ("float32", "bfloat16")
 DOTS = ("input", "tf32", "tf32x3", "ieee")
 ROLES = ("split", "fused")
-WALKS = ("step", "chunk", "win")
+WALKS = ("step", "chunk")
 KVS = ("outer", "mma")
 CKPTS = (16, 32, 64, 128, 256)
 CHUNKS = (2, 4, 8, 16)
@@ -162,10 +162,9 @@ def _rows(x, b, h, c, T, BX):
     return ct.load(x, (b, h, c, 0), (1, 1, T, BX), order=(0, 2, 1, 3), padding_mode=ZERO).reshape((T, BX)).astype(F32)
 
 
-def _gates(f, b, h, c, T, S, cl):
-    """f of steps [c*T, c*T + T) as [1, T] fp32, 1 past S (a step that keeps the state as it is); loaded
-    from chunk cl (c, or a chunk holding a step < S when chunk c is wholly past S)."""
-    fc = ct.load(f, (b, h, cl), (1, 1, T), order=(0, 2, 1), padding_mode=ZERO).reshape((1, T)).astype(F32)
+def _gates(f, b, h, c, T, S):
+    """f of steps [c*T, c*T + T) as [1, T] fp32, 1 past S (a step that keeps the state as it is)."""
+    fc = ct.load(f, (b, h, c), (1, 1, T), order=(0, 2, 1), padding_mode=ZERO).reshape((1, T)).astype(F32)
     pos = ct.arange(T, dtype=ct.int32).reshape((1, T)) + c * T
     return ct.where(pos < S, fc, 1.0)
 
@@ -225,7 +224,7 @@ def _fwd_ckpt(k, v, W, f, dy, h0, ckpt, dq,
         for cc in range(min(per, nch - j * per)):
             c = j * per + cc
             kc, vc, off = _pair(k, v, b, n // GK, n, c, T, BK, BV, KV)
-            ff = _gates(f, b, n // GF, c, T, S, c)
+            ff = _gates(f, b, n // GF, c, T, S)
             hs = ct.zeros((T, BK, BV), dtype=F32)
             for i in ct.static_iter(range(T)):
                 z, h = _step(h, w, kc, vc, off, ff, i, BK, BV, T, DOT, FAST, KV)
@@ -245,7 +244,7 @@ def _recompute(k, v, w, f, ckpt, sc, b, n, bn, jr, Lr, S,
     for c in range(ct.cdiv(Lr, T)):
         cg = jr * per + c
         kc, vc, off = _pair(k, v, b, n // GK, n, cg, T, BK, BV, KV)
-        ff = _gates(f, b, n // GF, cg, T, S, cg)
+        ff = _gates(f, b, n // GF, cg, T, S)
         hs = ct.zeros((T, BK, BV), dtype=F32)
         for i in ct.static_iter(range(T)):
             hs = ct.insert(hs, (i, 0, 0), h.reshape((1, BK, BV)))
@@ -269,7 +268,7 @@ def _walk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n,
         qc = _cols(q, b, n // GQ, cg, T, BK)
         vc = _rows(v, b, n, cg, T, BV)
         dyc = _rows(dy, b, n, cg, T, BV)
-        ff = _gates(f, b, n // GF, cg, T, S, cg)
+        ff = _gates(f, b, n // GF, cg, T, S)
         dks = ct.zeros((BK, T), dtype=F32)
         dfs = ct.zeros((BK, T), dtype=F32)
         dvs = ct.zeros((T, BV), dtype=F32)
@@ -318,7 +317,7 @@ def _walk_chunk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df,
         hc = ct.load(sc, (bn, c, 0, 0), (1, T, BK, BV)).reshape((T, BK, BV))
         kr = _rows(k, b, n // GK, cg, T, BK).reshape((T, BK, 1))
         vr = _rows(v, b, n, cg, T, BV).reshape((T, 1, BV))
-        ff = _gates(f, b, n // GF, cg, T, S, cg).reshape((T, 1, 1))
+        ff = _gates(f, b, n // GF, cg, T, S).reshape((T, 1, 1))
         if KV:
             kw, vw, off = _pair(k, v, b, n // GK, n, cg, T, BK, BV, KV)
             qw, dyw, off = _pair(q, dy, b, n // GQ, n, cg, T, BK, BV, KV)
@@ -353,99 +352,13 @@ def _walk_chunk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df,
     ct.store(dw_out, (bn, 0, 0), ct.extract(dwp, (0, 0), (BV, BV)).reshape((1, BV, BV)))
 
 
-def _walk_win(q, k, v, w, f, dy, koh, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
-              GQ, GK, GF, BK, BV, CKPT, T, FAST, KV):
-    """The chunk walk without a cross-warp reduction per chunk (bf16 inputs, bf16 products). dk, dv and
-    df gather in accumulators over 16-step windows (KW; windows align with chunks and segments: T and
-    CKPT are powers of two between 2 and 16 / at least 16) and are stored once per window:
-        dk: per step, bf16(dX) [BK, BV] times the window's v [BV, KW] (A operand shared with the chain's
-            product, B a TMA-loaded tile), column (s % KW) of the product kept by a select into [BK, KW];
-        df: per step, the row sums of G (H_{t-1} - Z) (within a row: no cross-warp traffic) selected into
-            column (s % KW) of [BK, KW], summed over BK once per window;
-        dv: per chunk, one product of the one-hot k rows koh [KW -> MP, T*BK] (koh[b, s, h, j, :] = k_s if
-            j = s % KW, built by ``build``) with the chunk's stacked bf16(dX) [T*BK, BV], the B operand
-            the dW product stores to shared memory anyway; row j of the [MP, BV] accumulator is dv of
-            window step j.
-    The SASS of the chunk walk (sm_90a) spent about half its instructions and 11 block barriers per
-    chunk of 2 steps on the per-chunk dk / dv / df sums."""
-    MP = max(64, BV)
-    wt = ct.transpose(w)
-    dH = ct.load(dh_in, (bn, 0, 0), (1, BK, BV)).reshape((BK, BV))
-    dwp = ct.load(dw_in, (bn, 0, 0), (1, MP, BV), padding_mode=ZERO).reshape((MP, BV))
-    col = ct.arange(KW, dtype=ct.int32).reshape((1, KW))
-    per = CKPT // T
-    cpw = KW // T                        # chunks per window
-    last = ct.cdiv(S, T) - 1             # the last chunk holding a step < S
-    lastw = ct.cdiv(Lw, T) - 1           # the same in the segment: the scratch rows after it are not written
-    nwin = ct.cdiv(Lw, KW)
-    for wc in range(nwin):
-        wl = nwin - 1 - wc
-        wi = jw * (CKPT // KW) + wl
-        vwin = ct.load(v, (b, n, 0, wi), (1, 1, BV, KW), order=(0, 2, 3, 1), padding_mode=ZERO).reshape((BV, KW))
-        adk = ct.zeros((BK, KW), dtype=F32)
-        adf = ct.zeros((BK, KW), dtype=F32)
-        adv = ct.zeros((MP, BV), dtype=F32)
-        for jj in ct.static_iter(range(cpw)):
-            # Whole windows, no branch in the loop (a conditional per-window store inside the chunk loop
-            # hung on the H100). A ragged S leaves chunks wholly past S in the first window walked: their
-            # inputs come from the last chunk in S (a tile wholly outside an array is undefined) and count
-            # for nothing: f = 1 and q dy^T is masked to 0 there, so dX = 0 and dH passes through (their
-            # states come from the segment's last walked chunk: the scratch past it is not written).
-            c = wl * cpw + cpw - 1 - jj
-            cg = jw * per + c
-            cl = min(cg, last)
-            cs = min(c, lastw)
-            off = (cpw - 1 - jj) * T
-            hc = ct.load(sc, (bn, cs, 0, 0), (1, T, BK, BV)).reshape((T, BK, BV))
-            ff = _gates(f, b, n // GF, cg, T, S, cl).reshape((T, 1, 1))
-            inside = (ct.arange(T, dtype=ct.int32).reshape((T, 1, 1)) + cg * T) < S
-            if KV:
-                kw, vw, o2 = _pair(k, v, b, n // GK, n, cl, T, BK, BV, KV)
-                qw, dyw, o2 = _pair(q, dy, b, n // GQ, n, cl, T, BK, BV, KV)
-                kv = ct.zeros((T, BK, BV), dtype=F32)
-                qdy = ct.zeros((T, BK, BV), dtype=F32)
-                for i in ct.static_iter(range(T)):
-                    kv = ct.insert(kv, (i, 0, 0), _outer(kw, vw, o2, i, BK, BV, T, KV).reshape((1, BK, BV)))
-                    qdy = ct.insert(qdy, (i, 0, 0), _outer(qw, dyw, o2, i, BK, BV, T, KV).reshape((1, BK, BV)))
-            else:
-                kv = _rows(k, b, n // GK, cl, T, BK).reshape((T, BK, 1)) * _rows(v, b, n, cl, T, BV).reshape((T, 1, BV))
-                qdy = _rows(q, b, n // GQ, cl, T, BK).reshape((T, BK, 1)) * _rows(dy, b, n, cl, T, BV).reshape((T, 1, BV))
-            qdy = ct.where(inside, qdy, 0.0)
-            z = _tanh(_prod(hc, w, kv, 0, True), FAST)
-            dz = (1.0 - ff) * (1.0 - z * z)
-            e = hc - z
-            dxs = ct.zeros((T, BK, BV), dtype=ct.bfloat16)
-            for ii in ct.static_iter(range(T)):
-                i = T - 1 - ii
-                G = dH + ct.extract(qdy, (i, 0, 0), (1, BK, BV)).reshape((BK, BV))
-                dX = ct.extract(dz, (i, 0, 0), (1, BK, BV)).reshape((BK, BV)) * G
-                ft = ct.extract(ff, (i, 0, 0), (1, 1, 1)).reshape((1, 1))
-                dxb = dX.astype(ct.bfloat16)
-                dH = ct.mma(dxb, wt.astype(ct.bfloat16), ft * G)
-                dxs = ct.insert(dxs, (i, 0, 0), dxb.reshape((1, BK, BV)))
-                sel = col == off + i
-                adk = ct.where(sel, ct.mma(dxb, vwin, ct.zeros((BK, KW), dtype=F32)), adk)
-                rs = ct.sum(G * ct.extract(e, (i, 0, 0), (1, BK, BV)).reshape((BK, BV)), axis=1, keepdims=True)
-                adf = ct.where(sel, rs, adf)
-            dxm = dxs.reshape((T * BK, BV))
-            kon = ct.load(koh, (b, n // GK, 0, cl, 0), (1, 1, MP, T, BK), order=(0, 2, 3, 1, 4), padding_mode=ZERO)
-            adv = ct.mma(kon.reshape((MP, T * BK)), dxm, adv)
-            hpt = ct.load(sc, (bn, 0, cs, 0), (1, MP, T, BK), order=(0, 3, 1, 2), padding_mode=ZERO)
-            dwp = ct.mma(hpt.reshape((MP, T * BK)).astype(ct.bfloat16), dxm, dwp)
-        ct.store(dk, (b, n, 0, wi), adk.reshape((1, 1, BK, KW)), order=(0, 2, 3, 1))
-        ct.store(dv, (b, n, wi, 0), ct.extract(adv, (0, 0), (KW, BV)).reshape((1, 1, KW, BV)), order=(0, 2, 1, 3))
-        ct.store(df, (b, n, wi), ct.sum(adf, axis=0).reshape((1, 1, KW)), order=(0, 2, 1))
-    ct.store(dh_out, (bn, 0, 0), dH.reshape((1, BK, BV)))
-    ct.store(dw_out, (bn, 0, 0), ct.extract(dwp, (0, 0), (BV, BV)).reshape((1, BV, BV)))
-
-
-def _seg(q, k, v, W, f, dy, koh, ckpt, sc_in, sc_out, dh_in, dw_in, dh_out, dw_out, dk, dv, df,
+def _seg(q, k, v, W, f, dy, ckpt, sc_in, sc_out, dh_in, dw_in, dh_out, dw_out, dk, dv, df,
          jw: int, Lw: int, jr: int, Lr: int,
          N: C, GQ: C, GK: C, GW: C, GF: C, BK: C, BV: C, CKPT: C, T: C, TR: C, DOT: C, FAST: CB, SPLIT: CB,
-         WALKM: C, KV: CB):
+         CHUNKW: CB, KV: CB):
     """One segment launch for one (batch row, value head): recompute segment jr (Lr steps, none when
-    Lr = 0) into sc_out, and walk segment jw (Lw steps, none when Lw = 0) from sc_in (WALKM: index in
-    WALKS of ``_walk``, ``_walk_chunk``, ``_walk_win``; koh is read by the last only); the recompute runs in chunks of TR steps, the walk of T. With SPLIT the grid is B*N x 2 and bid(1) picks the role. No array is
+    Lr = 0) into sc_out, and walk segment jw (Lw steps, none when Lw = 0) from sc_in (``_walk_chunk``
+    when CHUNKW, else ``_walk``); the recompute runs in chunks of TR steps, the walk of T. With SPLIT the grid is B*N x 2 and bid(1) picks the role. No array is
     both read and written here."""
     bn = ct.bid(0)
     b = bn // N
@@ -456,20 +369,17 @@ def _seg(q, k, v, W, f, dy, koh, ckpt, sc_in, sc_out, dh_in, dw_in, dh_out, dw_o
         if ct.bid(1) == 0:
             _recompute(k, v, w, f, ckpt, sc_out, b, n, bn, jr, Lr, S, GK, GF, BK, BV, CKPT, TR, DOT, FAST, KV)
         else:
-            _walk_any(q, k, v, w, f, dy, koh, sc_in, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
-                      GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, WALKM, KV)
+            _walk_any(q, k, v, w, f, dy, sc_in, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
+                      GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, CHUNKW, KV)
     else:
         _recompute(k, v, w, f, ckpt, sc_out, b, n, bn, jr, Lr, S, GK, GF, BK, BV, CKPT, TR, DOT, FAST, KV)
-        _walk_any(q, k, v, w, f, dy, koh, sc_in, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
-                  GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, WALKM, KV)
+        _walk_any(q, k, v, w, f, dy, sc_in, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
+                  GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, CHUNKW, KV)
 
 
-def _walk_any(q, k, v, w, f, dy, koh, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
-              GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, WALKM, KV):
-    if WALKM == 2:
-        _walk_win(q, k, v, w, f, dy, koh, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
-                  GQ, GK, GF, BK, BV, CKPT, T, FAST, KV)
-    elif WALKM == 1:
+def _walk_any(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
+              GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, CHUNKW, KV):
+    if CHUNKW:
         _walk_chunk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
                     GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, KV)
     else:
@@ -544,8 +454,6 @@ def config_reason(config: dict, shape: dict) -> str | None:
                 f"(a CTA's registers)")
     if config["WALK"] not in WALKS:
         return f"WALK={config['WALK']!r} must be one of {', '.join(WALKS)}"
-    if config["WALK"] == "win" and (shape["dtype"] != "bfloat16" or config["DOT"] != "input"):
-        return "WALK=win: the window products take bf16 operands (bf16 inputs and DOT=input only)"
     if config["ROLES"] not in ROLES:
         return f"ROLES={config['ROLES']!r} must be one of {', '.join(ROLES)}"
     if config["DOT"] not in DOTS:
@@ -594,30 +502,11 @@ def _consts(config: dict, shape: dict) -> dict:
             "BK": _block(shape["K"]), "BV": _block(shape["V"]), "CKPT": config["CKPT"], "T": config["T"],
             "T_FWD": config["T_FWD"], "TR": _t_re(config), "KV": config["KV"] == "mma",
             "DOT": dot_mode(config, shape), "FAST": bool(config["FAST_TANH"]),
-            "SPLIT": config["ROLES"] == "split", "WALKM": WALKS.index(config["WALK"])}
+            "SPLIT": config["ROLES"] == "split", "CHUNKW": config["WALK"] == "chunk"}
 
 
 _FWD_CONSTS = ("N", "GK", "GW", "GF", "BK", "BV", "CKPT", "T_FWD", "HAS_H0", "DOT", "FAST", "KV")
-_BWD_CONSTS = ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "CKPT", "T", "TR", "DOT", "FAST", "SPLIT", "WALKM", "KV")
-
-
-def _koh_size(config: dict, shape: dict) -> tuple:
-    """koh's size: [B, S, Nk, KW, K] for WALK = win (one-hot k rows, see ``_walk_win``), else one element."""
-    if config["WALK"] != "win":
-        return (1, 1, 1, 1, 1)
-    return (shape["B"], shape["S"], shape["Nk"], KW, shape["K"])
-
-
-def one_hot_k(k: torch.Tensor, config: dict) -> torch.Tensor:
-    """koh[b, s, h, j, :] = k[b, s, h, :] where j = s % KW, else 0 (the A operand of ``_walk_win``'s dv
-    product); one element when the walk does not read it."""
-    if config["WALK"] != "win":
-        return k.new_zeros(1, 1, 1, 1, 1)
-    B, S, H, K = k.shape
-    out = k.new_zeros(B, S, H, KW, K)
-    s = torch.arange(S, device=k.device)
-    out[:, s, :, s % KW, :] = k.permute(1, 0, 2, 3)
-    return out
+_BWD_CONSTS = ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "CKPT", "T", "TR", "DOT", "FAST", "SPLIT", "CHUNKW", "KV")
 
 
 def _nseg(config: dict, shape: dict) -> int:
@@ -651,7 +540,7 @@ def _signatures(config: dict, shape: dict):
     ck = g(B * N, nseg, bk, bv)
     fwd = [k, v, W, f, dy, _array(dt, (B, N, K, V)), ck, g(B, S, N, K)] + [c[n] for n in _FWD_CONSTS]
     sc, dh, dw = g(B * N, config["CKPT"], bk, bv), g(B * N, bk, bv), g(B * N, bv, bv)
-    bwd = [_array(dt, (B, S, shape["Nq"], K)), k, v, W, f, dy, _array(dt, _koh_size(config, shape)), ck, sc, sc, dh, dw, dh, dw,
+    bwd = [_array(dt, (B, S, shape["Nq"], K)), k, v, W, f, dy, ck, sc, sc, dh, dw, dh, dw,
            g(B, S, N, K), g(B, S, N, V), g(B, S, N), i32, i32, i32, i32] + [c[n] for n in _BWD_CONSTS]
     cc = CallingConvention.cutile_python_v1()
     return KernelSignature(fwd, cc), KernelSignature(bwd, cc)
@@ -718,11 +607,10 @@ def build(config: dict, shape: dict):
         w["dh"][0][:, :K, :V].copy_(i["dh_final"].reshape(B * N, K, V))
         w["dw"][0].zero_()
         consts = [c[n] for n in _BWD_CONSTS]
-        koh = one_hot_k(i["k"], config)
         for m, (jw, lw, jr, lr) in enumerate(plan):
             a, z = m % 2, (m + 1) % 2
             si, so = (nseg - m) % 2, (nseg - m + 1) % 2     # segment j's states: buffer j % 2
-            ct.launch(stream, grid, bwd, (i["q"], i["k"], i["v"], i["W"], i["f"], i["dy"], koh, w["ckpt"],
+            ct.launch(stream, grid, bwd, (i["q"], i["k"], i["v"], i["W"], i["f"], i["dy"], w["ckpt"],
                                           w["sc"][si], w["sc"][so], w["dh"][a], w["dw"][a], w["dh"][z], w["dw"][z],
                                           w["dk"], w["dv"], w["df"], jw, lw, jr, lr, *consts))
             if trace is not None:
