@@ -54,6 +54,16 @@ results/h100/m2rnn_bwd/20261123T054926Z-*, parity ok): 6.30 / 10.05 / 29.45 ms a
 and 28.18 for KV = outer at occupancy 3 (031047Z-*) at b8_n84. The profile (results/logs/m2rnn-s6-device-5-*)
 puts the checkpoint forward at 1.39 ms against 1.76 at b2_n8 but the 65 segment launches at 5.1 ms against
 4.2 with T_RE = 16: the walk, not the forward, is the gap, so the default stays KV = "outer".
+Tried and reverted (2026-11-23, commits e8b92d9 / 8ae6d73): a "window" walk that gathered dk (bf16(dX) times
+the window's v, one column kept by a select), df (row sums selected into a [BK, 16] accumulator) and dv (a
+product of one-hot k rows with the stacked dX) over 16-step windows, to drop the per-chunk cross-warp sums
+that take about half of the chunk walk's sm_90a instructions. With the window store behind a branch in the
+chunk loop it did not finish within 300 s on the H100 (results/logs/m2rnn-s7-device-5-*); with the chunks
+unrolled inside a window loop it took 13.2 ms at b2_n8 against 5.96 for this walk in the same run and gave
+wrong dk in 4 of 5 configs (rows in results/h100/m2rnn_bwd/20261123T090139Z-*; the CPU stand-in of the same
+bodies matched): tileiras moved the extra tiles between layouts through shared memory, 10 block barriers
+per chunk remained. Fused roles at occupancy 3 (half the programs) gave 28.15 ms at b8_n84, the same as
+split (20261123T091223Z-*).
 Steps past a ragged S read zero q / k / v / dy and get f = 1, so they leave dH unchanged and add
 nothing; stores drop rows past S. K and V are padded to powers of two >= 16 (BK, BV): zero-padded
 loads keep padded rows / columns of H and dH at zero.
