@@ -61,8 +61,8 @@ that take about half of the chunk walk's sm_90a instructions. With the window st
 chunk loop it did not finish within 300 s on the H100 (results/logs/m2rnn-s7-device-5-*); with the chunks
 unrolled inside a window loop it took 13.2 ms at b2_n8 against 5.96 for this walk in the same run and gave
 wrong dk in 4 of 5 configs (rows in results/h100/m2rnn_bwd/20261123T090139Z-*; the CPU stand-in of the same
-bodies matched): tileiras moved the extra tiles between layouts through shared memory, 10 block barriers
-per chunk remained. Fused roles at occupancy 3 (half the programs) gave 28.15 ms at b8_n84, the same as
+bodies matched). The SASS of the first version (sm_90a AOT) still had 10 block barriers per chunk of 2 steps
+and many shared-memory store / load pairs (layout conversions of the extra tiles). Fused roles at occupancy 3 (half the programs) gave 28.15 ms at b8_n84, the same as
 split (20261123T091223Z-*).
 Steps past a ragged S read zero q / k / v / dy and get f = 1, so they leave dH unchanged and add
 nothing; stores drop rows past S. K and V are padded to powers of two >= 16 (BK, BV): zero-padded
