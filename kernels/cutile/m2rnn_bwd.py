@@ -60,10 +60,11 @@ product of one-hot k rows with the stacked dX) over 16-step windows, to drop the
 that take about half of the chunk walk's sm_90a instructions. With the window store behind a branch in the
 chunk loop it did not finish within 300 s on the H100 (results/logs/m2rnn-s7-device-5-*); with the chunks
 unrolled inside a window loop it took 13.2 ms at b2_n8 against 5.96 for this walk in the same run and gave
-wrong results in 5 of its 7 trials (dk in all five; dv, dW and df too with KV = mma; rows in results/h100/m2rnn_bwd/20261123T090139Z-*; the CPU stand-in of the same
-bodies matched). The SASS of the first version (sm_90a AOT) still had 10 block barriers per chunk of 2 steps
-and many shared-memory store / load pairs (layout conversions of the extra tiles). Fused roles at occupancy 3 (half the programs) gave 28.15 ms at b8_n84, the same as
-split (20261123T091223Z-*).
+wrong results in 5 of its 7 trials (dk in all five; dv, dW and df too with KV = mma; rows in
+results/h100/m2rnn_bwd/20261123T090139Z-*; the CPU stand-in of the same bodies matched). The SASS of the first
+version (sm_90a AOT) still had 10 block barriers per chunk of 2 steps and many shared-memory store / load
+pairs (layout conversions of the extra tiles). Fused roles at occupancy 3 (half the programs) gave 28.15 ms at
+b8_n84, the same as split (20261123T091223Z-*).
 Steps past a ragged S read zero q / k / v / dy and get f = 1, so they leave dH unchanged and add
 nothing; stores drop rows past S. K and V are padded to powers of two >= 16 (BK, BV): zero-padded
 loads keep padded rows / columns of H and dH at zero.
