@@ -313,6 +313,18 @@ class Sweep:
                 measured[t.user_attrs["config_key"]] = t.value
         feasible_total = sum(1 for c in space.configs()
                              if preflight.cheap_checks(lane, space, lane.full_config(c), shape, self.mode.requested).feasible)
+        if feasible_total == 0 and req.sampler != "grid":
+            # A lane that refuses the whole shape still leaves a row with its reason (fail closed, recorded),
+            # not an empty study: the reason given for the space's first config (its first seed, if any).
+            cfg = lane.full_config(space.seeds[0] if space.seeds else next(iter(space.configs())))
+            why = preflight.cheap_checks(lane, space, cfg, shape, self.mode.requested)
+            verdict = preflight.Verdict(False, f"no config of the sweep space passes the preflight at this shape; "
+                                               f"the first: {why.reason}", why.stage)
+            self.writer.add(self._row(lane, shape_name, shape, cfg, -1, "infeasible", verdict, versions=versions,
+                                      phase="space", study=study_name))
+            self.out(f"{lane.dsl:8s} {shape_name}: {verdict.reason}")
+            self.summary.append({"dsl": lane.dsl, "shape": shape_name, "note": verdict.reason})
+            return None
         target = req.trials if req.sampler == "grid" else min(req.trials, feasible_total)
         done0 = len(measured)
         bar = _progress(req.progress, total=target, initial=min(done0, target), desc=f"{lane.dsl} {shape_name}")

@@ -120,6 +120,24 @@ def test_tpe_sweep_stops_at_trials_and_skips_duplicates(lab_env):
     assert len(measured) == 6
 
 
+def test_lane_refusing_the_whole_shape_leaves_a_row_with_its_reason(lab_env):
+    """No feasible config at a shape (every one refused by the lane's rules): one infeasible row that says
+    why, nothing measured, and the sweep goes on."""
+    from lab import sweep
+    from lab.results import load
+    (lab_env.sweeps / "gemm" / "sim.toml").write_text(
+        '[params]\nMODE = ["refused"]\nSMEM_KB = [16]\nSPEED = [1]\nESTIMATE_BIAS_KB = [0]\n')
+    runner = SimRunner()
+    lines = []
+    sweep.run(_request(lab_env, sampler="tpe", trials=3, seed=1), present_h100(), runner=runner, out=lines.append)
+    assert runner.seen == []
+    df = load(lab_env.results)
+    rows = df[df["dsl"] == "sim"]
+    assert len(rows) == 1 and rows["status"].iloc[0] == "infeasible" and rows["phase"].iloc[0] == "space"
+    assert "MODE=refused is refused by the lane's rules" in rows["error"].iloc[0]
+    assert any("no config of the sweep space" in str(line) for line in lines)
+
+
 _KILLABLE = textwrap.dedent("""
     import sys, time
     from pathlib import Path
