@@ -275,15 +275,19 @@ class Sweep:
                 return registry.Eligibility(e2.code, f"on the GPU that runs ({self.mode.run_target}): {e2.reason}")
         return e
 
+    def _refuse(self, lane, shape_name, shape, config, verdict, **row_kw):
+        """A lane that runs nothing at this shape: one infeasible row with the reason, printed and summarized."""
+        self.writer.add(self._row(lane, shape_name, shape, config, -1, "infeasible", verdict, **row_kw))
+        self.out(f"{lane.dsl:8s} {shape_name}: {verdict.reason}")
+        self.summary.append({"dsl": lane.dsl, "shape": shape_name, "note": verdict.reason})
+
     def _sweep_lane(self, lane, shape_name, shape, pool):
         import optuna
         req = self.req
         elig = self._eligible(lane)
         if not elig.ok:
-            self.writer.add(self._row(lane, shape_name, shape, {}, -1, "infeasible",
-                                      preflight.Verdict(False, str(elig), "eligibility"), phase="eligibility"))
-            self.out(f"{lane.dsl:8s} {shape_name}: {elig}")
-            self.summary.append({"dsl": lane.dsl, "shape": shape_name, "note": str(elig)})
+            self._refuse(lane, shape_name, shape, {}, preflight.Verdict(False, str(elig), "eligibility"),
+                         phase="eligibility")
             return None
         mod = lane.module
         space = space_mod.load_space(req.kernel, lane.dsl, tuple(mod.TUNABLES))
@@ -320,10 +324,7 @@ class Sweep:
             why = preflight.cheap_checks(lane, space, cfg, shape, self.mode.requested)
             verdict = preflight.Verdict(False, f"no config of the sweep space passes the preflight at this shape; "
                                                f"the first: {why.reason}", why.stage)
-            self.writer.add(self._row(lane, shape_name, shape, cfg, -1, "infeasible", verdict, versions=versions,
-                                      phase="space", study=study_name))
-            self.out(f"{lane.dsl:8s} {shape_name}: {verdict.reason}")
-            self.summary.append({"dsl": lane.dsl, "shape": shape_name, "note": verdict.reason})
+            self._refuse(lane, shape_name, shape, cfg, verdict, phase="space", versions=versions, study=study_name)
             return None
         target = req.trials if req.sampler == "grid" else min(req.trials, feasible_total)
         done0 = len(measured)
