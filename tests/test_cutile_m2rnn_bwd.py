@@ -103,6 +103,17 @@ def test_config_rules():
     assert "KV=mma" in lane.config_reason(cfg(KV="mma", T_RE=16), {**shape, "dtype": "float32"})
     assert lane.config_reason(cfg(KV="mma", T=2, T_RE=16), shape) is None
     assert "dtype" in lane.config_reason(D, {**shape, "dtype": "float16"})
+    chain = cfg(WALK="chain")
+    assert lane.config_reason(cfg(WALK="chain", SCRATCH="bfloat16", DZ_STORE=True, G_SPLIT=4, T_G=16), shape) is None
+    assert "ROLES must be split" in lane.config_reason({**chain, "ROLES": "fused"}, shape)
+    assert "WALK=chain only" in lane.config_reason(cfg(SCRATCH="bfloat16"), shape)
+    assert "WALK=chain only" in lane.config_reason(cfg(G_SPLIT=2), shape)
+    assert "G_SPLIT" in lane.config_reason({**chain, "G_SPLIT": 3}, shape)
+    assert "T_G" in lane.config_reason({**chain, "T_G": 32, "CKPT": 16}, shape)
+    assert "SCRATCH" in lane.config_reason({**chain, "SCRATCH": "float16"}, shape)
+    assert "DOT=input" in lane.config_reason({**chain, "SCRATCH": "bfloat16", "DOT": "tf32"}, shape)
+    assert "bf16 inputs" in lane.config_reason({**chain, "SCRATCH": "bfloat16"}, {**shape, "dtype": "float32"})
+    assert "DZ_STORE" in lane.config_reason({**chain, "DZ_STORE": 1}, shape)
     assert "exceeds" in lane.config_reason(D, {**shape, "K": 128})
     assert "exceeds" in lane.config_reason(D, _shape("fp32_k64_v64"))
     for name in ("b2_n8", "b4_n44", "b8_n84", "b4_n132", "ragged_h0"):
@@ -212,7 +223,9 @@ def _emulate(config, shape, inputs):
     run = ns["build"](config, shape)
     outputs = PROBLEM.alloc_outputs(shape, "cpu")
     info = run(inputs, outputs)
-    assert launches == ["_fwd_ckpt"] + ["_seg"] * (ns["_nseg"]({**D, **config}, shape) + 1)
+    nseg = ns["_nseg"]({**D, **config}, shape)
+    chain = {**D, **config}["WALK"] == "chain"
+    assert launches == ["_fwd_ckpt"] + (["_seg3"] * (nseg + 2) if chain else ["_seg"] * (nseg + 1))
     assert info["launches"] == len(launches)
     return outputs
 
@@ -247,7 +260,16 @@ def test_schedule_orders_buffers_by_launches():
                                           (cfg(CKPT=16, T=4, T_FWD=16, T_RE=16, KV="mma", ROLES="fused"), "bfloat16"),
                                           # chunks shorter than the 16-step window of the one-hot products
                                           (cfg(CKPT=32, T=2, T_FWD=8, KV="mma"), "bfloat16"),
-                                          (cfg(CKPT=16, T=4, T_FWD=4, T_RE=8, KV="mma", ROLES="fused"), "bfloat16")])
+                                          (cfg(CKPT=16, T=4, T_FWD=4, T_RE=8, KV="mma", ROLES="fused"), "bfloat16"),
+                                          # the chain walk: gradient chunks longer than the chain's and the
+                                          # recompute's (rows past S unwritten), split gradient programs
+                                          (cfg(CKPT=16, T=2, T_FWD=8, WALK="chain", T_G=8, G_SPLIT=2), "float32"),
+                                          (cfg(CKPT=16, T=4, T_RE=8, WALK="chain", T_G=4, DZ_STORE=True, G_SPLIT=4),
+                                           "float32"),
+                                          (cfg(CKPT=32, T=2, T_FWD=8, WALK="chain", T_G=16, KV="mma", DZ_STORE=True,
+                                               SCRATCH="bfloat16"), "bfloat16"),
+                                          (cfg(CKPT=16, T=8, T_FWD=16, WALK="chain", T_G=2, SCRATCH="bfloat16"),
+                                           "bfloat16")])
 def test_kernel_bodies_match_bptt(config, dtype, tile_methods):
     # Ragged S (not a multiple of T or CKPT), padded K and V, every head-sharing pattern, h0. fp64 stands
     # in for the kernels' fp32 math (the lane's buffers are fp32) and bf16 operands (DOT=input) stay

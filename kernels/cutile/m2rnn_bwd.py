@@ -102,8 +102,8 @@ from lab.problems import _m2rnn as m2
 
 DSL = "cutile"
 KERNEL = "m2rnn_bwd"
-TUNABLES = ("CKPT", "T", "T_FWD", "T_RE", "KV", "WALK", "ROLES", "DOT", "FAST_TANH", "num_worker_warps", "occupancy",
-            "fwd_occupancy")
+TUNABLES = ("CKPT", "T", "T_FWD", "T_RE", "KV", "WALK", "ROLES", "T_G", "G_SPLIT", "SCRATCH", "DZ_STORE", "DOT",
+            "FAST_TANH", "num_worker_warps", "occupancy", "fwd_occupancy")
 # Default: the chunk walk at T = 2, CKPT 64, occupancy 1, the fastest parity-ok config of the H100 sweep of
 # 2026-11-23 at b2_n8 (results/h100/m2rnn_bwd/20261123T031047Z-*, also 023522Z-*); occupancy 3 is the
 # faster one at b4_n44 and b8_n84 (same run). The step walk (WALK = "step") is the 2026-11-22 lane. Its
@@ -113,13 +113,16 @@ TUNABLES = ("CKPT", "T", "T_FWD", "T_RE", "KV", "WALK", "ROLES", "DOT", "FAST_TA
 # dk and dv are exactly 64x the reference. The CPU emulation of the same bodies matches and other configs of
 # the same code pass, which points at tileiras' lowering of that config; it stays in the space so the
 # parity check keeps reporting it.
-DEFAULTS = {"CKPT": 64, "T": 2, "T_FWD": 16, "T_RE": 0, "KV": "outer", "WALK": "chunk", "ROLES": "split", "DOT": "input", "FAST_TANH": True,
+DEFAULTS = {"CKPT": 64, "T": 2, "T_FWD": 16, "T_RE": 0, "KV": "outer", "WALK": "chunk", "ROLES": "split",
+            "T_G": 8, "G_SPLIT": 1, "SCRATCH": "float32", "DZ_STORE": False, "DOT": "input", "FAST_TANH": True,
             "num_worker_warps": 0, "occupancy": 1, "fwd_occupancy": 3}
 TARGETS = tuple(f"sm_{a}a" if a in (90, 100, 103, 110, 120, 121) else f"sm_{a}" for a in ARCHS)
 DTYPES = ("float32", "bfloat16")
 DOTS = ("input", "tf32", "tf32x3", "ieee")
 ROLES = ("split", "fused")
-WALKS = ("step", "chunk")
+WALKS = ("step", "chunk", "chain")
+SCRATCHES = ("float32", "bfloat16")
+G_SPLITS = (1, 2, 4)
 KVS = ("outer", "mma")
 CKPTS = (16, 32, 64, 128, 256)
 CHUNKS = (2, 4, 8, 16)
@@ -244,12 +247,13 @@ def _fwd_ckpt(k, v, W, f, dy, h0, ckpt, dq,
             ct.store(dq, (b, n, c, 0), dqc.reshape((1, 1, T, BK)), order=(0, 2, 1, 3))
 
 
-def _recompute(k, v, w, f, ckpt, sc, b, n, bn, jr, Lr, S,
-               GK, GF, BK, BV, CKPT, T, DOT, FAST, KV):
+def _recompute(k, v, w, f, ckpt, sc, dzo, b, n, bn, jr, Lr, S,
+               GK, GF, BK, BV, CKPT, T, DOT, FAST, KV, DZ, SCB):
     """sc[bn, i] = the state before step jr*CKPT + i, for the Lr steps of segment jr (whole chunks of T,
     the recompute's own chunk: the scratch rows do not depend on it). T is a power-of-two multiple of the
     walk's chunk (config_reason), so these chunks cover every row the walk's chunks read (rows past S keep
-    the state: f = 1 there) and none starts past S."""
+    the state: f = 1 there) and none starts past S. With DZ also dzo[bn, i] = (1 - f)(1 - Z^2) of that step
+    (the chain walk's factor); with SCB both are stored as bf16."""
     h = ct.load(ckpt, (bn, jr, 0, 0), (1, 1, BK, BV)).reshape((BK, BV))
     per = CKPT // T
     for c in range(ct.cdiv(Lr, T)):
@@ -257,10 +261,35 @@ def _recompute(k, v, w, f, ckpt, sc, b, n, bn, jr, Lr, S,
         kc, vc, off = _pair(k, v, b, n // GK, n, cg, T, BK, BV, KV)
         ff = _gates(f, b, n // GF, cg, T, S)
         hs = ct.zeros((T, BK, BV), dtype=F32)
+        dzs = ct.zeros((T, BK, BV), dtype=F32)
         for i in ct.static_iter(range(T)):
             hs = ct.insert(hs, (i, 0, 0), h.reshape((1, BK, BV)))
             z, h = _step(h, w, kc, vc, off, ff, i, BK, BV, T, DOT, FAST, KV)
-        ct.store(sc, (bn, c, 0, 0), hs.reshape((1, T, BK, BV)))
+            if DZ:
+                ft = ct.extract(ff, (0, i), (1, 1))
+                dzs = ct.insert(dzs, (i, 0, 0), ((1.0 - ft) * (1.0 - z * z)).reshape((1, BK, BV)))
+        ct.store(sc, (bn, c, 0, 0), _scr(hs, SCB).reshape((1, T, BK, BV)))
+        if DZ:
+            ct.store(dzo, (bn, c, 0, 0), _scr(dzs, SCB).reshape((1, T, BK, BV)))
+
+
+def _scr(x, SCB):
+    """x as stored in the scratch: bf16 with SCB, else fp32 as it is."""
+    if SCB:
+        return x.astype(ct.bfloat16)
+    return x
+
+
+def _outer_stack(x, y, b, hx, hy, cg, T, BX, BY, KV):
+    """[T, BX, BY] fp32: x_t y_t^T for the T steps of chunk cg (``_outer`` per step with KV, else one
+    broadcast product of the chunk's rows)."""
+    if KV:
+        xw, yw, off = _pair(x, y, b, hx, hy, cg, T, BX, BY, KV)
+        out = ct.zeros((T, BX, BY), dtype=F32)
+        for i in ct.static_iter(range(T)):
+            out = ct.insert(out, (i, 0, 0), _outer(xw, yw, off, i, BX, BY, T, KV).reshape((1, BX, BY)))
+        return out
+    return _rows(x, b, hx, cg, T, BX).reshape((T, BX, 1)) * _rows(y, b, hy, cg, T, BY).reshape((T, 1, BY))
 
 
 def _walk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
@@ -330,16 +359,10 @@ def _walk_chunk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df,
         vr = _rows(v, b, n, cg, T, BV).reshape((T, 1, BV))
         ff = _gates(f, b, n // GF, cg, T, S).reshape((T, 1, 1))
         if KV:
-            kw, vw, off = _pair(k, v, b, n // GK, n, cg, T, BK, BV, KV)
-            qw, dyw, off = _pair(q, dy, b, n // GQ, n, cg, T, BK, BV, KV)
-            kv = ct.zeros((T, BK, BV), dtype=F32)
-            qdy = ct.zeros((T, BK, BV), dtype=F32)
-            for i in ct.static_iter(range(T)):
-                kv = ct.insert(kv, (i, 0, 0), _outer(kw, vw, off, i, BK, BV, T, KV).reshape((1, BK, BV)))
-                qdy = ct.insert(qdy, (i, 0, 0), _outer(qw, dyw, off, i, BK, BV, T, KV).reshape((1, BK, BV)))
+            kv = _outer_stack(k, v, b, n // GK, n, cg, T, BK, BV, KV)
         else:
             kv = kr * vr
-            qdy = _rows(q, b, n // GQ, cg, T, BK).reshape((T, BK, 1)) * _rows(dy, b, n, cg, T, BV).reshape((T, 1, BV))
+        qdy = _outer_stack(q, dy, b, n // GQ, n, cg, T, BK, BV, KV)
         z = _tanh(_prod(hc, w, kv, DOT, True), FAST)
         dz = (1.0 - ff) * (1.0 - z * z)
         e = hc - z
@@ -378,12 +401,14 @@ def _seg(q, k, v, W, f, dy, ckpt, sc_in, sc_out, dh_in, dw_in, dh_out, dw_out, d
     w = _load_w(W, n // GW, BV)
     if SPLIT:
         if ct.bid(1) == 0:
-            _recompute(k, v, w, f, ckpt, sc_out, b, n, bn, jr, Lr, S, GK, GF, BK, BV, CKPT, TR, DOT, FAST, KV)
+            _recompute(k, v, w, f, ckpt, sc_out, sc_out, b, n, bn, jr, Lr, S, GK, GF, BK, BV, CKPT, TR, DOT, FAST, KV,
+                       False, False)
         else:
             _walk_any(q, k, v, w, f, dy, sc_in, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
                       GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, CHUNKW, KV)
     else:
-        _recompute(k, v, w, f, ckpt, sc_out, b, n, bn, jr, Lr, S, GK, GF, BK, BV, CKPT, TR, DOT, FAST, KV)
+        _recompute(k, v, w, f, ckpt, sc_out, sc_out, b, n, bn, jr, Lr, S, GK, GF, BK, BV, CKPT, TR, DOT, FAST, KV,
+                       False, False)
         _walk_any(q, k, v, w, f, dy, sc_in, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
                   GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, CHUNKW, KV)
 
@@ -396,6 +421,115 @@ def _walk_any(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b
     else:
         _walk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n, bn, jw, Lw, S,
               GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST)
+
+
+def _chain(q, k, v, w, f, dy, sc, dzi, dh_in, dh_out, go, b, n, bn, jc, Lc, S,
+           GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, KV, DZ, SCB):
+    """WALK = "chain": only the serial chain of segment jc (Lc steps), per chunk of T from the last:
+    G = dH + q dy^T, dX = dz G, dH = dX W^T + f G, with dz = (1 - f)(1 - Z^2) loaded from dzi (DZ) or
+    recomputed per chunk from the states in sc (one batched product, off the chain); the chunk's G
+    stacked and stored to go. dk, dv, df and dW are left to ``_grads`` in the next launch."""
+    wt = ct.transpose(w)
+    dH = ct.load(dh_in, (bn, 0, 0), (1, BK, BV)).reshape((BK, BV))
+    per = CKPT // T
+    nch = ct.cdiv(Lc, T)
+    for cc in range(nch):
+        c = nch - 1 - cc
+        cg = jc * per + c
+        ff = _gates(f, b, n // GF, cg, T, S).reshape((T, 1, 1))
+        if DZ:
+            dz = ct.load(dzi, (bn, c, 0, 0), (1, T, BK, BV)).reshape((T, BK, BV)).astype(F32)
+        else:
+            hc = ct.load(sc, (bn, c, 0, 0), (1, T, BK, BV)).reshape((T, BK, BV)).astype(F32)
+            z = _tanh(_prod(hc, w, _outer_stack(k, v, b, n // GK, n, cg, T, BK, BV, KV), DOT, True), FAST)
+            dz = (1.0 - ff) * (1.0 - z * z)
+        qdy = _outer_stack(q, dy, b, n // GQ, n, cg, T, BK, BV, KV)
+        gs = ct.zeros((T, BK, BV), dtype=F32)
+        for ii in ct.static_iter(range(T)):
+            i = T - 1 - ii
+            G = dH + ct.extract(qdy, (i, 0, 0), (1, BK, BV)).reshape((BK, BV))
+            dX = ct.extract(dz, (i, 0, 0), (1, BK, BV)).reshape((BK, BV)) * G
+            ft = ct.extract(ff, (i, 0, 0), (1, 1, 1)).reshape((1, 1))
+            dH = _prod(dX, wt, ft * G, DOT, True)
+            gs = ct.insert(gs, (i, 0, 0), G.reshape((1, BK, BV)))
+        ct.store(go, (bn, c, 0, 0), _scr(gs, SCB).reshape((1, T, BK, BV)))
+    ct.store(dh_out, (bn, 0, 0), dH.reshape((1, BK, BV)))
+
+
+def _grads(k, v, w, f, sc, gi, dk, dv, df, dwo, b, n, bn, jg, Lg, part, S,
+           GK, GF, GS, BK, BV, CKPT, TG, DOT, FAST, KV):
+    """WALK = "chain": the gradients of segment jg that are not on the chain, from its states (sc) and
+    the chain's G (gi), in chunks of TG steps; program ``part`` of GS takes chunks part, part + GS, ...
+    Per chunk Z is recomputed (one batched product), dX = (1 - f)(1 - Z^2) G, and dk = dX v, dv = k^T dX,
+    df = sum G (H - Z) are batched reductions, dW += H^T dX one [MP, TG*BK] x [TG*BK, BV] product (as in
+    ``_walk_chunk``); the segment's dW part goes to dwo[bn, jg*GS + part]. Rows past S are zeroed: a chunk
+    longer than the chain's or the recompute's may read scratch rows no launch wrote."""
+    MP = max(64, BV)
+    dwp = ct.zeros((MP, BV), dtype=F32)
+    per = CKPT // TG
+    nch = ct.cdiv(Lg, TG)
+    for cc in range(ct.cdiv(nch - part, GS)):
+        c = part + cc * GS
+        cg = jg * per + c
+        live = ct.arange(TG, dtype=ct.int32).reshape((TG, 1, 1)) + cg * TG < S
+        hc = ct.where(live, ct.load(sc, (bn, c, 0, 0), (1, TG, BK, BV)).reshape((TG, BK, BV)).astype(F32), 0.0)
+        g = ct.where(live, ct.load(gi, (bn, c, 0, 0), (1, TG, BK, BV)).reshape((TG, BK, BV)).astype(F32), 0.0)
+        kr = _rows(k, b, n // GK, cg, TG, BK).reshape((TG, BK, 1))
+        vr = _rows(v, b, n, cg, TG, BV).reshape((TG, 1, BV))
+        ff = _gates(f, b, n // GF, cg, TG, S).reshape((TG, 1, 1))
+        if KV:
+            kv = _outer_stack(k, v, b, n // GK, n, cg, TG, BK, BV, KV)
+        else:
+            kv = kr * vr
+        z = _tanh(_prod(hc, w, kv, DOT, True), FAST)
+        dxs = (1.0 - ff) * (1.0 - z * z) * g
+        ct.store(dk, (b, n, cg, 0), ct.sum(dxs * vr, axis=2).reshape((1, 1, TG, BK)), order=(0, 2, 1, 3))
+        ct.store(dv, (b, n, cg, 0), ct.sum(dxs * kr, axis=1).reshape((1, 1, TG, BV)), order=(0, 2, 1, 3))
+        ct.store(df, (b, n, cg), ct.sum(ct.sum(g * (hc - z), axis=2), axis=1).reshape((1, 1, TG)), order=(0, 2, 1))
+        hpt = ct.load(sc, (bn, 0, c, 0), (1, MP, TG, BK), order=(0, 3, 1, 2), padding_mode=ZERO)
+        hpt = ct.where(live.reshape((1, TG, 1)), hpt.reshape((MP, TG, BK)).astype(F32), 0.0)
+        dwp = _prod(hpt.reshape((MP, TG * BK)), dxs.reshape((TG * BK, BV)), dwp, DOT, False)
+    ct.store(dwo, (bn, jg * GS + part, 0, 0), ct.extract(dwp, (0, 0), (BV, BV)).reshape((1, 1, BV, BV)))
+
+
+def _seg3(q, k, v, W, f, dy, ckpt, h_re, h_ch, h_gr, dz_re, dz_ch, g_ch, g_gr, dh_in, dh_out, dk, dv, df, dwo,
+          jc: int, Lc: int, jr: int, Lr: int, jg: int, Lg: int,
+          N: C, GQ: C, GK: C, GW: C, GF: C, BK: C, BV: C, CKPT: C, T: C, TR: C, TG: C, GS: C, DOT: C, FAST: CB,
+          KV: CB, DZ: CB, SCB: CB):
+    """One launch of WALK = "chain" (``schedule3``), grid B*N x (2 + GS): role 0 walks the chain of
+    segment jc, role 1 recomputes segment jr, roles 2.. take the gradients of segment jg (jc's successor,
+    whose chain ran in the previous launch). A role with no steps does nothing. No array is both read
+    and written here."""
+    bn = ct.bid(0)
+    b = bn // N
+    n = bn % N
+    S = v.shape[1]
+    w = _load_w(W, n // GW, BV)
+    role = ct.bid(1)
+    if role == 0:
+        if Lc > 0:
+            _chain(q, k, v, w, f, dy, h_ch, dz_ch, dh_in, dh_out, g_ch, b, n, bn, jc, Lc, S,
+                   GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, KV, DZ, SCB)
+    elif role == 1:
+        if Lr > 0:
+            _recompute(k, v, w, f, ckpt, h_re, dz_re, b, n, bn, jr, Lr, S, GK, GF, BK, BV, CKPT, TR, DOT, FAST,
+                       KV, DZ, SCB)
+    else:
+        if Lg > 0:
+            _grads(k, v, w, f, h_gr, g_gr, dk, dv, df, dwo, b, n, bn, jg, Lg, role - 2, S,
+                   GK, GF, GS, BK, BV, CKPT, TG, DOT, FAST, KV)
+
+
+def schedule3(nseg: int, S: int, ckpt: int) -> list[tuple[int, int, int, int, int, int]]:
+    """(jc, Lc, jr, Lr, jg, Lg) of the NSEG + 2 launches of WALK = "chain": launch m walks the chain of
+    segment jc = NSEG - m, recomputes jr = jc - 1 and takes the gradients of jg = jc + 1 (L = 0 where
+    the segment does not exist). The lane picks buffers by segment: states j % 3 (written at launch
+    NSEG - j - 1, read at NSEG - j and NSEG - j + 1), dz and G j % 2, so within a launch the three
+    segments' buffers are distinct."""
+    def seg_len(j):
+        return min(ckpt, S - j * ckpt) if 0 <= j < nseg else 0
+    return [(nseg - m, seg_len(nseg - m), nseg - m - 1, seg_len(nseg - m - 1), nseg - m + 1, seg_len(nseg - m + 1))
+            for m in range(nseg + 2)]
 
 
 def schedule(nseg: int, S: int, ckpt: int) -> list[tuple[int, int, int, int]]:
@@ -417,10 +551,11 @@ _KERNELS: dict = {}
 def _kernels(config: dict):
     """(forward, backward) ``ct.kernel`` objects for the config's compiler hints (0 = compiler's choice)."""
     nww = config["num_worker_warps"] or None
-    key = (config["fwd_occupancy"], config["occupancy"], nww)
+    seg = _seg3 if config["WALK"] == "chain" else _seg
+    key = (config["fwd_occupancy"], config["occupancy"], nww, seg.__name__)
     if key not in _KERNELS:
         _KERNELS[key] = (ct.kernel(_fwd_ckpt, occupancy=key[0] or None, num_worker_warps=nww),
-                         ct.kernel(_seg, occupancy=key[1] or None, num_worker_warps=nww))
+                         ct.kernel(seg, occupancy=key[1] or None, num_worker_warps=nww))
     return _KERNELS[key]
 
 
@@ -467,6 +602,9 @@ def config_reason(config: dict, shape: dict) -> str | None:
         return f"WALK={config['WALK']!r} must be one of {', '.join(WALKS)}"
     if config["ROLES"] not in ROLES:
         return f"ROLES={config['ROLES']!r} must be one of {', '.join(ROLES)}"
+    reason = _chain_reason(config, shape)
+    if reason:
+        return reason
     if config["DOT"] not in DOTS:
         return f"DOT={config['DOT']!r} must be one of {', '.join(DOTS)}"
     if not isinstance(config["FAST_TANH"], bool):
@@ -479,9 +617,34 @@ def config_reason(config: dict, shape: dict) -> str | None:
             return f"{key}={config[key]} must be 0 (auto) or in [1, 32]"
     B, S, N = shape["B"], shape["S"], shape["N"]
     tile = _block(shape["K"]) * _block(shape["V"])
-    if max(B * S * N * _block(max(shape["K"], shape["V"])), B * N * max(_nseg(config, shape), config["CKPT"]) * tile) \
-            >= 2**31:
+    if max(B * S * N * _block(max(shape["K"], shape["V"])),
+           B * N * max(_nseg(config, shape) * config["G_SPLIT"], config["CKPT"]) * tile) >= 2**31:
         return "arrays with 2^31 or more elements need int64 indexing, which this lane does not specialize"
+    return None
+
+
+def _chain_reason(config: dict, shape: dict) -> str | None:
+    """The rules of WALK = "chain"'s own knobs; they must stay at their defaults for the other walks."""
+    chain = config["WALK"] == "chain"
+    if config["T_G"] not in CHUNKS or config["T_G"] > config["CKPT"]:
+        return f"T_G={config['T_G']} must be one of {', '.join(map(str, CHUNKS))} and at most CKPT={config['CKPT']}"
+    if _block(shape["K"]) * _block(shape["V"]) * config["T_G"] > 16_384:
+        return (f"T_G={config['T_G']} stacked states of [{_block(shape['K'])}, {_block(shape['V'])}] exceed 16K "
+                f"fp32 (a CTA's registers)")
+    if config["G_SPLIT"] not in G_SPLITS:
+        return f"G_SPLIT={config['G_SPLIT']} must be one of {', '.join(map(str, G_SPLITS))}"
+    if config["SCRATCH"] not in SCRATCHES:
+        return f"SCRATCH={config['SCRATCH']!r} must be one of {', '.join(SCRATCHES)}"
+    if not isinstance(config["DZ_STORE"], bool):
+        return "DZ_STORE must be true or false"
+    if chain and config["ROLES"] != "split":
+        return "WALK=chain runs its chain, recompute and gradient roles as separate programs: ROLES must be split"
+    if not chain and (config["SCRATCH"], config["DZ_STORE"], config["G_SPLIT"], config["T_G"]) != \
+            tuple(DEFAULTS[k] for k in ("SCRATCH", "DZ_STORE", "G_SPLIT", "T_G")):
+        return f"SCRATCH, DZ_STORE, G_SPLIT and T_G apply to WALK=chain only (WALK={config['WALK']!r})"
+    if config["SCRATCH"] == "bfloat16" and (shape["dtype"] != "bfloat16" or config["DOT"] != "input"):
+        # With bf16 operands the recomputed Z from a bf16 state is the recompute's own Z.
+        return "SCRATCH=bfloat16 needs bf16 inputs and DOT=input (the products already round the states to bf16)"
     return None
 
 
@@ -513,11 +676,18 @@ def _consts(config: dict, shape: dict) -> dict:
             "BK": _block(shape["K"]), "BV": _block(shape["V"]), "CKPT": config["CKPT"], "T": config["T"],
             "T_FWD": config["T_FWD"], "TR": _t_re(config), "KV": config["KV"] == "mma",
             "DOT": dot_mode(config, shape), "FAST": bool(config["FAST_TANH"]),
-            "SPLIT": config["ROLES"] == "split", "CHUNKW": config["WALK"] == "chunk"}
+            "SPLIT": config["ROLES"] == "split", "CHUNKW": config["WALK"] == "chunk", "TG": config["T_G"],
+            "GS": config["G_SPLIT"], "DZ": config["DZ_STORE"], "SCB": config["SCRATCH"] == "bfloat16"}
 
 
 _FWD_CONSTS = ("N", "GK", "GW", "GF", "BK", "BV", "CKPT", "T_FWD", "HAS_H0", "DOT", "FAST", "KV")
 _BWD_CONSTS = ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "CKPT", "T", "TR", "DOT", "FAST", "SPLIT", "CHUNKW", "KV")
+_CHAIN_CONSTS = ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "CKPT", "T", "TR", "TG", "GS", "DOT", "FAST", "KV", "DZ",
+                 "SCB")
+
+
+def _bwd_consts(config: dict) -> tuple:
+    return _CHAIN_CONSTS if config["WALK"] == "chain" else _BWD_CONSTS
 
 
 def _nseg(config: dict, shape: dict) -> int:
@@ -539,6 +709,22 @@ def _array(dtype: str, size: tuple):
                            base_addr_divisible_by=16)
 
 
+def _scratch_dims(config: dict, shape: dict) -> tuple:
+    """One scratch buffer of states (and of G with WALK = "chain"): [B*N, CKPT, BK, BV]."""
+    return shape["B"] * shape["N"], config["CKPT"], _block(shape["K"]), _block(shape["V"])
+
+
+def _dz_dims(config: dict, shape: dict) -> tuple:
+    """One dz buffer of WALK = "chain": a scratch buffer with DZ_STORE, else a placeholder never read."""
+    return _scratch_dims(config, shape) if config["DZ_STORE"] else (1, 1, _block(shape["K"]), _block(shape["V"]))
+
+
+def _dw_dims(config: dict, shape: dict) -> tuple:
+    """dW parts of WALK = "chain": one [BV, BV] per (batch row and head, segment, gradient program)."""
+    bv = _block(shape["V"])
+    return shape["B"] * shape["N"], _nseg(config, shape) * config["G_SPLIT"], bv, bv
+
+
 def _signatures(config: dict, shape: dict):
     from cuda.tile.compilation import CallingConvention, KernelSignature, ScalarConstraint
     B, S, N, K, V = (shape[d] for d in ("B", "S", "N", "K", "V"))
@@ -551,8 +737,14 @@ def _signatures(config: dict, shape: dict):
     ck = g(B * N, nseg, bk, bv)
     fwd = [k, v, W, f, dy, _array(dt, (B, N, K, V)), ck, g(B, S, N, K)] + [c[n] for n in _FWD_CONSTS]
     sc, dh, dw = g(B * N, config["CKPT"], bk, bv), g(B * N, bk, bv), g(B * N, bv, bv)
-    bwd = [_array(dt, (B, S, shape["Nq"], K)), k, v, W, f, dy, ck, sc, sc, dh, dw, dh, dw,
-           g(B, S, N, K), g(B, S, N, V), g(B, S, N), i32, i32, i32, i32] + [c[n] for n in _BWD_CONSTS]
+    grads = [g(B, S, N, K), g(B, S, N, V), g(B, S, N)]
+    if config["WALK"] == "chain":
+        h, dz = _array(config["SCRATCH"], _scratch_dims(config, shape)), _array(config["SCRATCH"], _dz_dims(config, shape))
+        bwd = [_array(dt, (B, S, shape["Nq"], K)), k, v, W, f, dy, ck, h, h, h, dz, dz, h, h, dh, dh, *grads,
+               g(*_dw_dims(config, shape)), *[i32] * 6] + [c[n] for n in _CHAIN_CONSTS]
+    else:
+        bwd = [_array(dt, (B, S, shape["Nq"], K)), k, v, W, f, dy, ck, sc, sc, dh, dw, dh, dw, *grads,
+               *[i32] * 4] + [c[n] for n in _BWD_CONSTS]
     cc = CallingConvention.cutile_python_v1()
     return KernelSignature(fwd, cc), KernelSignature(bwd, cc)
 
@@ -588,24 +780,58 @@ def build(config: dict, shape: dict):
     B, S, N, K, V = (shape[d] for d in ("B", "S", "N", "K", "V"))
     bk, bv, nseg = c["BK"], c["BV"], _nseg(config, shape)
     grid_fwd = (B * N, 1, 1)
-    grid = (B * N, 2 if c["SPLIT"] else 1, 1)
-    plan = schedule(nseg, S, config["CKPT"])
+    chain = config["WALK"] == "chain"
+    grid = (B * N, 2 + config["G_SPLIT"] if chain else 2 if c["SPLIT"] else 1, 1)
+    plan = (schedule3 if chain else schedule)(nseg, S, config["CKPT"])
     work: dict = {}
+
+    def alloc(dev):
+        f32 = {"dtype": torch.float32, "device": dev}
+        work.clear()
+        work.update(dev=dev, ckpt=torch.empty(B * N, nseg, bk, bv, **f32),
+                    dh=[torch.zeros(B * N, bk, bv, **f32) for _ in range(2)],
+                    dq=torch.empty(B, S, N, K, **f32), dk=torch.empty(B, S, N, K, **f32),
+                    dv=torch.empty(B, S, N, V, **f32), df=torch.empty(B, S, N, **f32))
+        if chain:
+            scr = {"dtype": getattr(torch, config["SCRATCH"]), "device": dev}
+            work.update(h=[torch.empty(*_scratch_dims(config, shape), **scr) for _ in range(3)],
+                        dz=[torch.empty(*_dz_dims(config, shape), **scr) for _ in range(2)],
+                        g=[torch.empty(*_scratch_dims(config, shape), **scr) for _ in range(2)],
+                        dwp=torch.empty(*_dw_dims(config, shape), **f32))
+        else:
+            work.update(sc=[torch.empty(*_scratch_dims(config, shape), **f32) for _ in range(2)],
+                        dw=[torch.zeros(B * N, bv, bv, **f32) for _ in range(2)])
+
+    def walk(i, stream, trace):
+        """The segment launches; returns (dW [B*N, BV, BV], dh0 [B*N, BK, BV]) in the work buffers."""
+        w = work
+        args = (i["q"], i["k"], i["v"], i["W"], i["f"], i["dy"], w["ckpt"])
+        consts = [c[n] for n in _bwd_consts(config)]
+        for m, p in enumerate(plan):
+            if chain:
+                j = nseg - m            # the chain's segment; buffers by segment, also where a role is idle
+                bufs = (w["h"][(j - 1) % 3], w["h"][j % 3], w["h"][(j + 1) % 3], w["dz"][(j - 1) % 2],
+                        w["dz"][j % 2], w["g"][j % 2], w["g"][(j + 1) % 2], w["dh"][(m + 1) % 2], w["dh"][m % 2],
+                        w["dk"], w["dv"], w["df"], w["dwp"])
+            else:
+                a, z = m % 2, (m + 1) % 2
+                si, so = (nseg - m) % 2, (nseg - m + 1) % 2     # segment j's states: buffer j % 2
+                bufs = (w["sc"][si], w["sc"][so], w["dh"][a], w["dw"][a], w["dh"][z], w["dw"][z],
+                        w["dk"], w["dv"], w["df"])
+            ct.launch(stream, grid, bwd, (*args, *bufs, *p, *consts))
+            if trace is not None:
+                trace(m, w)
+        if chain:
+            return w["dwp"].sum(1), w["dh"][nseg % 2]
+        last = len(plan) % 2
+        return w["dw"][last], w["dh"][last]
 
     def run(inputs, outputs, trace=None):
         """``trace(m, work)``, if given, is called after the forward (m = -1) and after segment launch m
         (scripts/debug_cutile_m2rnn_bwd.py's hook; it may overwrite ckpt / scratch)."""
         i, o = inputs, outputs
-        dev = i["v"].device
-        if work.get("dev") != dev:
-            f32 = {"dtype": torch.float32, "device": dev}
-            work.clear()
-            work.update(dev=dev, ckpt=torch.empty(B * N, nseg, bk, bv, **f32),
-                        sc=[torch.empty(B * N, config["CKPT"], bk, bv, **f32) for _ in range(2)],
-                        dh=[torch.zeros(B * N, bk, bv, **f32) for _ in range(2)],
-                        dw=[torch.zeros(B * N, bv, bv, **f32) for _ in range(2)],
-                        dq=torch.empty(B, S, N, K, **f32), dk=torch.empty(B, S, N, K, **f32),
-                        dv=torch.empty(B, S, N, V, **f32), df=torch.empty(B, S, N, **f32))
+        if work.get("dev") != i["v"].device:
+            alloc(i["v"].device)
         w = work
         stream = torch.cuda.current_stream()
         h0 = i.get("h0", i["dh_final"])        # not read when there is no h0
@@ -613,23 +839,15 @@ def build(config: dict, shape: dict):
                                           *(c[n] if n != "HAS_H0" else bool(shape["h0"]) for n in _FWD_CONSTS)))
         if trace is not None:
             trace(-1, w)
-        # dH starts at dh_final, dW at zero; padded rows / columns stay zero throughout.
+        # dH starts at dh_final (in dh[0] for both schedules), dW at zero; padded rows / columns stay zero.
         w["dh"][0].zero_()
         w["dh"][0][:, :K, :V].copy_(i["dh_final"].reshape(B * N, K, V))
-        w["dw"][0].zero_()
-        consts = [c[n] for n in _BWD_CONSTS]
-        for m, (jw, lw, jr, lr) in enumerate(plan):
-            a, z = m % 2, (m + 1) % 2
-            si, so = (nseg - m) % 2, (nseg - m + 1) % 2     # segment j's states: buffer j % 2
-            ct.launch(stream, grid, bwd, (i["q"], i["k"], i["v"], i["W"], i["f"], i["dy"], w["ckpt"],
-                                          w["sc"][si], w["sc"][so], w["dh"][a], w["dw"][a], w["dh"][z], w["dw"][z],
-                                          w["dk"], w["dv"], w["df"], jw, lw, jr, lr, *consts))
-            if trace is not None:
-                trace(m, w)
-        last = len(plan) % 2
+        if not chain:
+            w["dw"][0].zero_()
+        dw, dh0 = walk(i, stream, trace)
         parts = {n: w[n] for n in ("dq", "dk", "dv", "df")}
-        parts["dW"] = w["dw"][last][:, :V, :V].reshape(B, N, V, V)
-        parts["dh0"] = w["dh"][last][:, :K, :V].reshape(B, N, K, V)
+        parts["dW"] = dw[:, :V, :V].reshape(B, N, V, V)
+        parts["dh0"] = dh0[:, :K, :V].reshape(B, N, K, V)
         grads = m2.reduce_heads(parts, shape)
         for name, value in grads.items():
             o[name].copy_(value)
