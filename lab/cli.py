@@ -69,7 +69,8 @@ def cmd_preflight(args) -> int:
             sp = space.load_space(args.kernel, dsl, tuple(lane.module.TUNABLES))
             s = preflight.summarize(lane, sp, shape, prof, limit, seed=args.seed, workers=args.jobs)
             rules = sum(v for k, v in s["rejected"].items() if k != "estimate")
-            print(f"  {dsl:8} {s['space']} configs: {rules} break rules, {s['over_estimate']} over the limit by "
+            of = f" (a seeded sample of its {s['space_size']:,})" if s["space_sampled"] else ""
+            print(f"  {dsl:8} {s['space']} configs{of}: {rules} break rules, {s['over_estimate']} over the limit by "
                   f"estimate, {s['fit_estimate']} fit by estimate")
             if s["unsupported"]:
                 print(f"  {'':8} no compile-verified figure: {s['unsupported']}")

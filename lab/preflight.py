@@ -173,13 +173,16 @@ def summarize(lane: Lane, space: Space, shape: dict, profile: DeviceProfile, com
               seed: int = 0, workers: int = 0) -> dict:
     """Preflight a whole space for ``lane`` on ``profile``: counts and estimate/compiler agreement.
 
-    With ``compile_limit`` set, only that many configs that pass the cheap checks (a seeded random
-    sample) are compiled; the rest are judged by the estimate alone. ``workers`` > 0 compiles in
-    that many CPU processes. ``rows`` holds every compiled config with its figures (bytes).
+    A space of more than ``space.SCAN_LIMIT`` points is judged on its seeds and a seeded sample of that
+    many (``space_sampled``). With ``compile_limit`` set, only that many configs that pass the cheap
+    checks (a seeded random sample) are compiled; the rest are judged by the estimate alone.
+    ``workers`` > 0 compiles in that many CPU processes. ``rows`` holds every compiled config with its
+    figures (bytes).
     """
     import random
 
-    configs = [lane.full_config(c) for c in space.configs()]
+    scanned, exhaustive = space.scan(seed=seed)
+    configs = [lane.full_config(c) for c in scanned]
     cheap = [(c, cheap_checks(lane, space, c, shape, profile)) for c in configs]
     by_stage: dict[str, int] = {}
     for _, v in cheap:
@@ -206,7 +209,7 @@ def summarize(lane: Lane, space: Space, shape: dict, profile: DeviceProfile, com
     wrong_side = [r for r in compiled if r["estimate"] is not None
                   and (r["estimate"] <= limit) != (r["compiled"] <= limit)]
     unsupported = next((r["unsupported"] for r in rows if r["unsupported"]), None)
-    return {"space": len(configs), "rejected": by_stage, "fit_estimate": len(passing), "over_estimate": len(over),
+    return {"space": len(configs), "space_size": space.size, "space_sampled": not exhaustive, "rejected": by_stage, "fit_estimate": len(passing), "over_estimate": len(over),
             "sampled": len(to_compile), "unsupported": unsupported,
             "compiled": len(compiled), "compile_errors": sum(1 for r in rows if r["error"]),
             "fit_compiled": fits_compiled, "agree_exact": len(compiled) - len(disagree),

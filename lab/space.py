@@ -24,6 +24,7 @@ import ast
 import itertools
 import json
 import os
+import random
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,11 @@ def _read_toml(path: Path) -> dict:
 def config_key(config: dict) -> str:
     """Canonical JSON of a config: the identity used for duplicate detection."""
     return json.dumps(config, sort_keys=True, separators=(",", ":"))
+
+
+# At most this many configs of a space are checked one by one (sweep start, preflight summary); larger
+# spaces are sampled.
+SCAN_LIMIT = 20_000
 
 
 @dataclass
@@ -103,6 +109,33 @@ class Space:
         names = list(self.params)
         for combo in itertools.product(*(self.params[n] for n in names)):
             yield dict(zip(names, combo))
+
+    def scan(self, limit: int = SCAN_LIMIT, seed: int = 0) -> tuple[list[dict], bool]:
+        """(configs, exhaustive): the seeds, then every point of the grid when it has at most ``limit``
+        points, else ``limit`` distinct points drawn at random (seeded), never enumerating the grid: a
+        space declared as data can have billions of points. No config appears twice."""
+        seen: set[str] = set()
+        out: list[dict] = []
+
+        def add(config):
+            key = config_key(config)
+            if key not in seen:
+                seen.add(key)
+                out.append(config)
+        for config in self.seeds:
+            add(config)
+        if self.size <= limit:
+            for config in self.configs():
+                add(config)
+            return out, True
+        rng = random.Random(seed)
+        names = list(self.params)
+        target = len(out) + limit
+        for _ in range(limit * 4):
+            if len(out) >= target:
+                break
+            add({n: rng.choice(self.params[n]) for n in names})
+        return out, False
 
 
 def load_space(kernel: str, dsl: str, tunables: tuple[str, ...]) -> Space:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import socket
@@ -25,6 +26,7 @@ from lab.results import RunWriter, git_state, new_run_id, now_utc
 from lab.worker import WorkerRunner
 
 PENALTY_MS = 1e9  # objective value told to Optuna for any non-ok outcome (with constraint > 0)
+GRID_LIMIT = 100_000  # grid points a grid sweep enqueues at most
 STALE_STREAK = 200  # consecutive proposals that add nothing new before the space counts as exhausted
 
 
@@ -304,6 +306,9 @@ class Sweep:
         except (ValueError, ImportError) as exc:
             raise LabError(f"cannot open study storage {self.storage}: {exc}") from None
         _recover_dead_trials(study, self.dir)
+        if req.sampler == "grid" and space.size > GRID_LIMIT:
+            raise LabError(f"--sampler grid over {space.size:,} configs of {space.source} (at most {GRID_LIMIT:,}): "
+                           f"use tpe or random")
         if not study.get_trials(deepcopy=False):
             for seed_cfg in space.seeds:  # known-good starting points from the sweep file
                 study.enqueue_trial(seed_cfg, skip_if_exists=True)
@@ -315,15 +320,21 @@ class Sweep:
         for t in study.get_trials(deepcopy=False):
             if t.user_attrs.get("measured") and t.state == optuna.trial.TrialState.COMPLETE:
                 measured[t.user_attrs["config_key"]] = t.value
-        feasible_total = sum(1 for c in space.configs()
-                             if preflight.cheap_checks(lane, space, lane.full_config(c), shape, self.mode.requested).feasible)
+        # Feasible configs at this shape: all of them for a space of at most SCAN_LIMIT points, else the seeds
+        # and a seeded sample (counting a space of billions would take hours); unknown (inf) when sampled.
+        scanned, exhaustive = space.scan(seed=req.seed)
+        feasible_seen = sum(1 for c in scanned
+                            if preflight.cheap_checks(lane, space, lane.full_config(c), shape, self.mode.requested).feasible)
+        feasible_total = feasible_seen if exhaustive else (math.inf if feasible_seen else 0)
         if feasible_total == 0 and req.sampler != "grid":
             # A lane that refuses the whole shape still leaves a row with its reason (fail closed, recorded),
             # not an empty study: the reason given for the space's first config (its first seed, if any).
-            cfg = lane.full_config(space.seeds[0] if space.seeds else next(iter(space.configs())))
+            cfg = lane.full_config(scanned[0])
             why = preflight.cheap_checks(lane, space, cfg, shape, self.mode.requested)
-            verdict = preflight.Verdict(False, f"no config of the sweep space passes the preflight at this shape; "
-                                               f"the first: {why.reason}", why.stage)
+            checked = "" if exhaustive else (f" (checked: the seeds and a random sample of {len(scanned):,} of its "
+                                             f"{space.size:,} configs)")
+            verdict = preflight.Verdict(False, f"no config of the sweep space passes the preflight at this shape"
+                                               f"{checked}; the first: {why.reason}", why.stage)
             self._refuse(lane, shape_name, shape, cfg, verdict, phase="space", versions=versions, study=study_name)
             return None
         target = req.trials if req.sampler == "grid" else min(req.trials, feasible_total)

@@ -18,10 +18,13 @@ from lab.problems import _m2rnn as m2
 from lab.problems.m2rnn_bwd import PROBLEM
 
 D = lane.DEFAULTS
+# The chunk walk at T = 2, CKPT 64 with the chain / store knobs at their neutral values: the base of the
+# configs below (the defaults are WALK = "chain").
+BASE = {**D, **lane.NEUTRAL, "WALK": "chunk", "CKPT": 64, "T": 2}
 
 
 def cfg(**kw):
-    return {**D, **kw}
+    return {**BASE, **kw}
 
 
 def _shape(name):
@@ -60,6 +63,23 @@ def test_sweep_config_compiles():
     _check(lane.compile_for(c, shape, "sm_90a"), c, shape, "sm_90a")
 
 
+@pytest.mark.parametrize("target", ["sm_90a", "sm_121a"])
+def test_chain_and_store_compile(target):
+    """The two walks with parallel gradient programs: WALK=chain (one kernel, three roles) at b2_n8, and
+    WALK=store (three kernels, int64-indexed scratch of 2.8e9 elements) at b8_n84."""
+    # At occupancy 1 tileiras gave the sm_121a chain kernel 101,828 bytes of shared memory, over the 101,376
+    # a block may have there (the preflight refuses such a compile); two CTAs per SM fit.
+    chain = cfg(WALK="chain", DZ_STORE=True, SCRATCH="bfloat16", T_G=4, G_SPLIT=2, occupancy=2)
+    _check(lane.compile_for(chain, _shape("b2_n8"), target), chain, _shape("b2_n8"), target)
+    store = cfg(WALK="store", DZ_STORE=True, SCRATCH="bfloat16", T_FWD=8, T_G=8, G_SPLIT=16, occupancy=4,
+                g_occupancy=2)
+    got = lane.compile_for(store, _shape("b8_n84"), target)
+    assert set(got["kernels"]) == {"forward", "backward", "gradients"}
+    assert 0 < got["smem_bytes"] <= _LIMIT[target] and got["registers"] <= 255, got
+    # The occupancy hint of 4 CTAs per SM holds the chain kernel to 128 registers or fewer.
+    assert got["kernels"]["backward"]["registers"] <= 128, got
+
+
 def test_fast_tanh_is_mufu():
     """FAST_TANH is real: APPROX lowers to MUFU.TANH (tanh.approx.f32), FULL to a software tanh."""
     import subprocess
@@ -84,7 +104,7 @@ def test_fast_tanh_is_mufu():
 
 def test_config_rules():
     shape = _shape("b2_n8")
-    assert lane.config_reason(D, shape) is None
+    assert lane.config_reason(D, shape) is None and lane.config_reason(BASE, shape) is None
     assert set(D) == set(lane.TUNABLES)
     assert "CKPT" in lane.config_reason(cfg(CKPT=24), shape)
     assert "CKPT" in lane.config_reason(cfg(CKPT=8), shape)
@@ -106,8 +126,14 @@ def test_config_rules():
     chain = cfg(WALK="chain")
     assert lane.config_reason(cfg(WALK="chain", SCRATCH="bfloat16", DZ_STORE=True, G_SPLIT=4, T_G=16), shape) is None
     assert "ROLES must be split" in lane.config_reason({**chain, "ROLES": "fused"}, shape)
-    assert "WALK=chain only" in lane.config_reason(cfg(SCRATCH="bfloat16"), shape)
-    assert "WALK=chain only" in lane.config_reason(cfg(G_SPLIT=2), shape)
+    assert "WALK=chain / store only" in lane.config_reason(cfg(SCRATCH="bfloat16"), shape)
+    assert "WALK=chain / store only" in lane.config_reason(cfg(G_SPLIT=2), shape)
+    assert "WALK=chain / store only" in lane.config_reason(cfg(g_occupancy=2), shape)
+    store = cfg(WALK="store", DZ_STORE=True, G_SPLIT=64, T_G=16, g_occupancy=4)
+    assert lane.config_reason(store, shape) is None
+    assert "CKPT must stay" in lane.config_reason({**store, "CKPT": 32}, shape)
+    assert "CKPT must stay" in lane.config_reason({**store, "DZ_STORE": False}, shape)
+    assert "ROLES must be split" in lane.config_reason({**store, "ROLES": "fused"}, shape)
     assert "G_SPLIT" in lane.config_reason({**chain, "G_SPLIT": 3}, shape)
     assert "T_G" in lane.config_reason({**chain, "T_G": 32, "CKPT": 16}, shape)
     assert "SCRATCH" in lane.config_reason({**chain, "SCRATCH": "float16"}, shape)
@@ -225,7 +251,10 @@ def _emulate(config, shape, inputs):
     info = run(inputs, outputs)
     nseg = ns["_nseg"]({**D, **config}, shape)
     chain = {**D, **config}["WALK"] == "chain"
-    assert launches == ["_fwd_ckpt"] + (["_seg3"] * (nseg + 2) if chain else ["_seg"] * (nseg + 1))
+    if {**D, **config}["WALK"] == "store":
+        assert launches == ["_fwd_store", "_chain_all", "_grads_all"]
+    else:
+        assert launches == ["_fwd_ckpt"] + (["_seg3"] * (nseg + 2) if chain else ["_seg"] * (nseg + 1))
     assert info["launches"] == len(launches)
     return outputs
 
@@ -250,6 +279,27 @@ def test_schedule_orders_buffers_by_launches():
         assert sum(p[1] for p in plan) == S and sum(p[3] for p in plan) == S
 
 
+def test_schedule3_runs_each_role_once_per_segment_in_order():
+    """WALK = chain: segment j is recomputed at launch NSEG - j - 1, its chain walked at NSEG - j and its
+    gradients taken at NSEG - j + 1, each once with its full length; the three segments a launch touches
+    use distinct state (mod 3), dz and G (mod 2) buffers."""
+    for S, ck in ((29, 8), (4096, 64), (977, 128), (64, 64), (65, 64)):
+        nseg = -(-S // ck)
+        plan = lane.schedule3(nseg, S, ck)
+        assert len(plan) == nseg + 2
+        seen = {"c": {}, "r": {}, "g": {}}
+        for m, (jc, lc, jr, lr, jg, lg) in enumerate(plan):
+            for role, j, n in (("c", jc, lc), ("r", jr, lr), ("g", jg, lg)):
+                if n:
+                    assert n == min(ck, S - j * ck)
+                    seen[role][j] = m
+            j = nseg - m
+            assert len({(j - 1) % 3, j % 3, (j + 1) % 3}) == 3 and (j - 1) % 2 != j % 2 != (j + 1) % 2
+        for j in range(nseg):
+            assert (seen["r"][j], seen["c"][j], seen["g"][j]) == (nseg - j - 1, nseg - j, nseg - j + 1)
+        assert sum(p[1] for p in plan) == sum(p[3] for p in plan) == sum(p[5] for p in plan) == S
+
+
 @pytest.mark.parametrize("config,dtype", [(cfg(CKPT=16, T=4, T_FWD=8, WALK="step"), "float32"),
                                           (cfg(CKPT=16, T=8, T_FWD=4, WALK="step", ROLES="fused"), "float32"),
                                           (cfg(CKPT=16, T=16, T_FWD=16, WALK="step"), "bfloat16"),
@@ -269,7 +319,13 @@ def test_schedule_orders_buffers_by_launches():
                                           (cfg(CKPT=32, T=2, T_FWD=8, WALK="chain", T_G=16, KV="mma", DZ_STORE=True,
                                                SCRATCH="bfloat16"), "bfloat16"),
                                           (cfg(CKPT=16, T=8, T_FWD=16, WALK="chain", T_G=2, SCRATCH="bfloat16"),
-                                           "bfloat16")])
+                                           "bfloat16"),
+                                          # every state stored: chunks of the forward, the chain and the
+                                          # gradients all different, more gradient programs than chunks
+                                          (cfg(WALK="store", DZ_STORE=True, T=2, T_FWD=8, T_G=4, G_SPLIT=8),
+                                           "float32"),
+                                          (cfg(WALK="store", DZ_STORE=True, T=4, T_FWD=2, T_G=16, G_SPLIT=2,
+                                               KV="mma", SCRATCH="bfloat16"), "bfloat16")])
 def test_kernel_bodies_match_bptt(config, dtype, tile_methods):
     # Ragged S (not a multiple of T or CKPT), padded K and V, every head-sharing pattern, h0. fp64 stands
     # in for the kernels' fp32 math (the lane's buffers are fp32) and bf16 operands (DOT=input) stay

@@ -138,6 +138,29 @@ def test_lane_refusing_the_whole_shape_leaves_a_row_with_its_reason(lab_env):
     assert any("no config of the sweep space" in str(line) for line in lines)
 
 
+_HUGE = "SMEM_KB = {}\nSPEED = {}\nESTIMATE_BIAS_KB = {}\n".format(*[list(range(1, 101))] * 3)
+
+
+def test_huge_space_sweeps_without_counting_every_config(lab_env):
+    """10^6 configs (2x10^6 with the refused mode): the sweep samples instead of enumerating, measures what was
+    asked, and a space refused at the shape says that only a sample was checked."""
+    from lab import sweep
+    from lab.results import load
+    (lab_env.sweeps / "gemm" / "sim.toml").write_text('[params]\nMODE = ["ok"]\n' + _HUGE)
+    runner = SimRunner()
+    t0 = time.perf_counter()
+    sweep.run(_request(lab_env, sampler="random", trials=3, seed=2), present_h100(), runner=runner,
+              out=lambda *_: None)
+    assert time.perf_counter() - t0 < 60 and len(runner.seen) == 3
+    (lab_env.sweeps / "gemm" / "sim.toml").write_text('[params]\nMODE = ["refused"]\n' + _HUGE)
+    sweep.run(_request(lab_env, sampler="tpe", trials=3, seed=2), present_h100(), runner=runner, out=lambda *_: None)
+    rows = load(lab_env.results)
+    space_rows = rows[rows["phase"] == "space"]
+    assert len(space_rows) == 1 and "a random sample of 20,000 of its 1,000,000 configs" in space_rows["error"].iloc[0]
+    with pytest.raises(Exception, match="grid over 1,000,000 configs"):
+        sweep.run(_request(lab_env, sampler="grid", trials=3), present_h100(), runner=runner, out=lambda *_: None)
+
+
 _KILLABLE = textwrap.dedent("""
     import sys, time
     from pathlib import Path

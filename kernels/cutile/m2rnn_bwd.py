@@ -65,6 +65,27 @@ results/h100/m2rnn_bwd/20261123T090139Z-*; the CPU stand-in of the same bodies m
 version (sm_90a AOT) still had 10 block barriers per chunk of 2 steps and many shared-memory store / load
 pairs (layout conversions of the extra tiles). Fused roles at occupancy 3 (half the programs) gave 28.15 ms at
 b8_n84, the same as split (20261123T091223Z-*).
+WALK = "chain" (``_seg3``, 2026-11-23) takes everything but the serial chain out of the walking program: per
+launch (``schedule3``, NSEG + 2 launches, grid B*N x (2 + G_SPLIT)) role 0 walks the chain of one segment
+(G = dH + q dy^T, dX = dz G, dH = dX W^T + f G; dz = (1 - f)(1 - Z^2) stored by the recompute with DZ_STORE,
+else recomputed per chunk), storing G; role 1 recomputes the segment before it (states, and dz); roles 2..
+take the gradients of the segment after it, whose chain ran in the previous launch (``_grads``: Z again,
+dX = dz G, dk / dv / df as batched reductions, dW as a 64-row product, one dW part per program and
+segment, summed by torch). SCRATCH = bfloat16 halves the scratch traffic and is exact for the products
+(DOT = input rounds the states to bf16 there anyway). sm_90a SASS (AOT, b2_n8): the chain loop has 176
+instructions and 2 block barriers per chunk of 2 steps, against 846 and 11 for the chunk walk. Measured
+(H100, 2026-11-23, parity ok): 3.82 ms at b2_n8 with CKPT 128, T = 4, bf16, dz stored, 4 gradient programs
+(results/h100/m2rnn_bwd/20261123T111757Z-*), against 5.89 for the chunk walk's best; at b8_n84 38.9 ms at
+occupancy 1 (20261123T112817Z-*; the occupancy 2 / 3 seeds and b4_n44 were not reached before the device
+call ended): one kernel for three roles takes the register and shared memory needs of the largest (the
+gradients: 168 registers, 226 KB at occupancy 1), so 672 x 4 programs run in ~20 waves per launch.
+WALK = "store" (``_fwd_store``, ``_chain_all``, ``_grads_all``; 2026-11-23, not yet run on a GPU) drops the
+checkpoints: the forward keeps every state before its step and dz ([B*N, S, BK, BV] each, int64-indexed:
+2.8e9 elements, 5.6 GB in bf16 at b8_n84), then one launch walks the whole chain per (batch row, head)
+and one launch of B*N x G_SPLIT programs takes all gradients (dq too, from H_t = f H_{t-1} + (1 - f) Z).
+Three launches, each kernel with its own occupancy hint (fwd_occupancy, occupancy, g_occupancy), no
+launch gaps, and the gradients fully parallel; the cost is the traffic (states, dz and G written and read
+once each: ~34 GB at b8_n84 in bf16).
 Steps past a ragged S read zero q / k / v / dy and get f = 1, so they leave dH unchanged and add
 nothing; stores drop rows past S. K and V are padded to powers of two >= 16 (BK, BV): zero-padded
 loads keep padded rows / columns of H and dH at zero.
@@ -77,7 +98,12 @@ cuTile gives no control of threads, registers or shared memory; tileiras decides
 occupancy hints. Tunables:
   CKPT              checkpoint interval (steps): ceil(S/CKPT) + 2 launches
   T, T_FWD          steps per chunk of the walk / recompute and of the forward (unrolled)
-  ROLES             "split" (recompute and walk as separate programs) or "fused"
+  ROLES             "split" (recompute and walk as separate programs) or "fused" (WALK = step / chunk)
+  WALK              "step", "chunk", "chain" or "store" (above)
+  T_G, G_SPLIT      WALK = chain / store: the gradient programs' chunk (steps) and programs per (batch row,
+                    head) and segment (chain) or sequence (store)
+  SCRATCH, DZ_STORE WALK = chain / store: scratch dtype (float32, bfloat16); the recompute stores dz
+  g_occupancy       WALK = store: the gradient kernel's CTAs-per-SM hint
   DOT               operands of the products for bf16 inputs: input (bf16, upstream's choice), tf32,
                     tf32x3 (hi/lo split, ~fp32), ieee (fp32 mma); fp32 inputs always use ieee
   FAST_TANH         ct.tanh(rounding_mode=APPROX) (MUFU.TANH) vs RoundingMode.FULL
@@ -103,26 +129,31 @@ from lab.problems import _m2rnn as m2
 DSL = "cutile"
 KERNEL = "m2rnn_bwd"
 TUNABLES = ("CKPT", "T", "T_FWD", "T_RE", "KV", "WALK", "ROLES", "T_G", "G_SPLIT", "SCRATCH", "DZ_STORE", "DOT",
-            "FAST_TANH", "num_worker_warps", "occupancy", "fwd_occupancy")
-# Default: the chunk walk at T = 2, CKPT 64, occupancy 1, the fastest parity-ok config of the H100 sweep of
-# 2026-11-23 at b2_n8 (results/h100/m2rnn_bwd/20261123T031047Z-*, also 023522Z-*); occupancy 3 is the
-# faster one at b4_n44 and b8_n84 (same run). The step walk (WALK = "step") is the 2026-11-22 lane. Its
-# config T = 8, ROLES split, occupancy 2 (255 registers, sm_90a) gives wrong dk / dv / dW / df at every
-# shape while dq is right: scripts/debug_cutile_m2rnn_bwd.py on the H100 (results/logs/m2rnn-s4-device-7-*)
-# found the checkpoints right and, in the first walked chunk, steps right until unrolled step 5, from which
-# dk and dv are exactly 64x the reference. The CPU emulation of the same bodies matches and other configs of
-# the same code pass, which points at tileiras' lowering of that config; it stays in the space so the
-# parity check keeps reporting it.
-DEFAULTS = {"CKPT": 64, "T": 2, "T_FWD": 16, "T_RE": 0, "KV": "outer", "WALK": "chunk", "ROLES": "split",
-            "T_G": 8, "G_SPLIT": 1, "SCRATCH": "float32", "DZ_STORE": False, "DOT": "input", "FAST_TANH": True,
-            "num_worker_warps": 0, "occupancy": 1, "fwd_occupancy": 3}
+            "FAST_TANH", "num_worker_warps", "occupancy", "fwd_occupancy", "g_occupancy")
+# Default: WALK = "chain" at CKPT 128, T = 4, bf16 scratch, dz stored, 4 gradient programs per segment, the
+# fastest parity-ok config of the H100 sweep of 2026-11-23 at b2_n8: 3.82 ms (results/h100/m2rnn_bwd/
+# 20261123T111757Z-*), against 5.89 for the chunk walk's best (20261123T031047Z-*). The step walk (WALK =
+# "step") is the 2026-11-22 lane. Its config T = 8, ROLES split, occupancy 2 (255 registers, sm_90a) gives
+# wrong dk / dv / dW / df at every shape while dq is right: scripts/debug_cutile_m2rnn_bwd.py on the H100
+# (results/logs/m2rnn-s4-device-7-*) found the checkpoints right and, in the first walked chunk, steps right
+# until unrolled step 5, from which dk and dv are exactly 64x the reference. The CPU emulation of the same
+# bodies matches and other configs of the same code pass, which points at tileiras' lowering of that config;
+# it stays in the space so the parity check keeps reporting it.
+# The values the knobs of WALK = "chain" / "store" must keep for the other walks (they do not apply there).
+NEUTRAL = {"T_G": 8, "G_SPLIT": 1, "SCRATCH": "float32", "DZ_STORE": False, "g_occupancy": 0}
+# WALK = "store" keeps no checkpoints: CKPT stays at this value (one config per distinct kernel).
+STORE_CKPT = 64
+DEFAULTS = {"CKPT": 128, "T": 4, "T_FWD": 16, "T_RE": 0, "KV": "outer", "WALK": "chain", "ROLES": "split",
+            "T_G": 4, "G_SPLIT": 4, "SCRATCH": "bfloat16", "DZ_STORE": True, "DOT": "input", "FAST_TANH": True,
+            "num_worker_warps": 0, "occupancy": 1, "fwd_occupancy": 3, "g_occupancy": 0}
 TARGETS = tuple(f"sm_{a}a" if a in (90, 100, 103, 110, 120, 121) else f"sm_{a}" for a in ARCHS)
 DTYPES = ("float32", "bfloat16")
 DOTS = ("input", "tf32", "tf32x3", "ieee")
 ROLES = ("split", "fused")
-WALKS = ("step", "chunk", "chain")
+WALKS = ("step", "chunk", "chain", "store")
+KERNEL_NAMES = ("forward", "backward", "gradients")
 SCRATCHES = ("float32", "bfloat16")
-G_SPLITS = (1, 2, 4)
+G_SPLITS = (1, 2, 4, 8, 16, 32, 64)
 KVS = ("outer", "mma")
 CKPTS = (16, 32, 64, 128, 256)
 CHUNKS = (2, 4, 8, 16)
@@ -255,9 +286,15 @@ def _recompute(k, v, w, f, ckpt, sc, dzo, b, n, bn, jr, Lr, S,
     the state: f = 1 there) and none starts past S. With DZ also dzo[bn, i] = (1 - f)(1 - Z^2) of that step
     (the chain walk's factor); with SCB both are stored as bf16."""
     h = ct.load(ckpt, (bn, jr, 0, 0), (1, 1, BK, BV)).reshape((BK, BV))
-    per = CKPT // T
-    for c in range(ct.cdiv(Lr, T)):
-        cg = jr * per + c
+    _replay(k, v, w, f, h, sc, dzo, b, n, bn, jr * (CKPT // T), ct.cdiv(Lr, T), S, GK, GF, BK, BV, T, DOT, FAST,
+            KV, DZ, SCB)
+
+
+def _replay(k, v, w, f, h, sc, dzo, b, n, bn, c0, nch, S, GK, GF, BK, BV, T, DOT, FAST, KV, DZ, SCB):
+    """From the state h before chunk c0 (global chunks of T steps), run nch chunks; chunk c's states before
+    each step go to sc[bn, c*T + i] and, with DZ, (1 - f)(1 - Z^2) to dzo (one store per chunk each)."""
+    for c in range(nch):
+        cg = c0 + c
         kc, vc, off = _pair(k, v, b, n // GK, n, cg, T, BK, BV, KV)
         ff = _gates(f, b, n // GF, cg, T, S)
         hs = ct.zeros((T, BK, BV), dtype=F32)
@@ -456,14 +493,15 @@ def _chain(q, k, v, w, f, dy, sc, dzi, dh_in, dh_out, go, b, n, bn, jc, Lc, S,
     ct.store(dh_out, (bn, 0, 0), dH.reshape((1, BK, BV)))
 
 
-def _grads(k, v, w, f, sc, gi, dk, dv, df, dwo, b, n, bn, jg, Lg, part, S,
-           GK, GF, GS, BK, BV, CKPT, TG, DOT, FAST, KV):
+def _grads(k, v, w, f, dy, sc, gi, dq, dk, dv, df, dwo, b, n, bn, jg, Lg, part, S,
+           GK, GF, GS, BK, BV, CKPT, TG, DOT, FAST, KV, DQ):
     """WALK = "chain": the gradients of segment jg that are not on the chain, from its states (sc) and
     the chain's G (gi), in chunks of TG steps; program ``part`` of GS takes chunks part, part + GS, ...
     Per chunk Z is recomputed (one batched product), dX = (1 - f)(1 - Z^2) G, and dk = dX v, dv = k^T dX,
     df = sum G (H - Z) are batched reductions, dW += H^T dX one [MP, TG*BK] x [TG*BK, BV] product (as in
     ``_walk_chunk``); the segment's dW part goes to dwo[bn, jg*GS + part]. Rows past S are zeroed: a chunk
-    longer than the chain's or the recompute's may read scratch rows no launch wrote."""
+    longer than the chain's or the recompute's may read scratch rows no launch wrote. With DQ also
+    dq_t = H_t dy_t, H_t = f H_{t-1} + (1 - f) Z (WALK = "store", whose forward writes no dq)."""
     MP = max(64, BV)
     dwp = ct.zeros((MP, BV), dtype=F32)
     per = CKPT // TG
@@ -486,6 +524,10 @@ def _grads(k, v, w, f, sc, gi, dk, dv, df, dwo, b, n, bn, jg, Lg, part, S,
         ct.store(dk, (b, n, cg, 0), ct.sum(dxs * vr, axis=2).reshape((1, 1, TG, BK)), order=(0, 2, 1, 3))
         ct.store(dv, (b, n, cg, 0), ct.sum(dxs * kr, axis=1).reshape((1, 1, TG, BV)), order=(0, 2, 1, 3))
         ct.store(df, (b, n, cg), ct.sum(ct.sum(g * (hc - z), axis=2), axis=1).reshape((1, 1, TG)), order=(0, 2, 1))
+        if DQ:
+            hn = ff * hc + (1.0 - ff) * z
+            dyr = _rows(dy, b, n, cg, TG, BV).reshape((TG, 1, BV))
+            ct.store(dq, (b, n, cg, 0), ct.sum(hn * dyr, axis=2).reshape((1, 1, TG, BK)), order=(0, 2, 1, 3))
         hpt = ct.load(sc, (bn, 0, c, 0), (1, MP, TG, BK), order=(0, 3, 1, 2), padding_mode=ZERO)
         hpt = ct.where(live.reshape((1, TG, 1)), hpt.reshape((MP, TG, BK)).astype(F32), 0.0)
         dwp = _prod(hpt.reshape((MP, TG * BK)), dxs.reshape((TG * BK, BV)), dwp, DOT, False)
@@ -516,8 +558,8 @@ def _seg3(q, k, v, W, f, dy, ckpt, h_re, h_ch, h_gr, dz_re, dz_ch, g_ch, g_gr, d
                        KV, DZ, SCB)
     else:
         if Lg > 0:
-            _grads(k, v, w, f, h_gr, g_gr, dk, dv, df, dwo, b, n, bn, jg, Lg, role - 2, S,
-                   GK, GF, GS, BK, BV, CKPT, TG, DOT, FAST, KV)
+            _grads(k, v, w, f, dy, h_gr, g_gr, dk, dk, dv, df, dwo, b, n, bn, jg, Lg, role - 2, S,
+                   GK, GF, GS, BK, BV, CKPT, TG, DOT, FAST, KV, False)
 
 
 def schedule3(nseg: int, S: int, ckpt: int) -> list[tuple[int, int, int, int, int, int]]:
@@ -530,6 +572,48 @@ def schedule3(nseg: int, S: int, ckpt: int) -> list[tuple[int, int, int, int, in
         return min(ckpt, S - j * ckpt) if 0 <= j < nseg else 0
     return [(nseg - m, seg_len(nseg - m), nseg - m - 1, seg_len(nseg - m - 1), nseg - m + 1, seg_len(nseg - m + 1))
             for m in range(nseg + 2)]
+
+
+def _fwd_store(k, v, W, f, h0, hs: ct.IndexedWithInt64, dzs: ct.IndexedWithInt64,
+               N: C, GK: C, GW: C, GF: C, BK: C, BV: C, T: C, HAS_H0: CB, DOT: C, FAST: CB, KV: CB, SCB: CB):
+    """WALK = "store", grid B*N: the forward through all S steps, storing every state before its step to
+    hs [B*N, S, BK, BV] and (1 - f)(1 - Z^2) to dzs (int64 indexing: 2.8e9 elements at b8_n84)."""
+    bn = ct.bid(0)
+    b = bn // N
+    n = bn % N
+    S = v.shape[1]
+    w = _load_w(W, n // GW, BV)
+    if HAS_H0:
+        h = ct.load(h0, (b, n, 0, 0), (1, 1, BK, BV), padding_mode=ZERO).reshape((BK, BV)).astype(F32)
+    else:
+        h = ct.zeros((BK, BV), dtype=F32)
+    _replay(k, v, w, f, h, hs, dzs, b, n, bn, 0, ct.cdiv(S, T), S, GK, GF, BK, BV, T, DOT, FAST, KV, True, SCB)
+
+
+def _chain_all(q, k, v, W, f, dy, hs: ct.IndexedWithInt64, dzs: ct.IndexedWithInt64, dh_in, dh_out,
+               gs: ct.IndexedWithInt64,
+               N: C, GQ: C, GK: C, GW: C, GF: C, BK: C, BV: C, T: C, DOT: C, FAST: CB, KV: CB, SCB: CB):
+    """WALK = "store", grid B*N: ``_chain`` through all S steps in one program, G to gs [B*N, S, BK, BV]."""
+    bn = ct.bid(0)
+    b = bn // N
+    n = bn % N
+    S = v.shape[1]
+    w = _load_w(W, n // GW, BV)
+    _chain(q, k, v, w, f, dy, hs, dzs, dh_in, dh_out, gs, b, n, bn, 0, S, S,
+           GQ, GK, GF, BK, BV, T, T, DOT, FAST, KV, True, SCB)
+
+
+def _grads_all(k, v, W, f, dy, hs: ct.IndexedWithInt64, gs: ct.IndexedWithInt64, dq, dk, dv, df, dwo,
+               N: C, GK: C, GW: C, GF: C, GS: C, BK: C, BV: C, TG: C, DOT: C, FAST: CB, KV: CB):
+    """WALK = "store", grid B*N x GS: ``_grads`` (with dq) over all S steps, program bid(1) taking every
+    GS-th chunk of TG steps; dW parts to dwo [B*N, GS, BV, BV]."""
+    bn = ct.bid(0)
+    b = bn // N
+    n = bn % N
+    S = v.shape[1]
+    w = _load_w(W, n // GW, BV)
+    _grads(k, v, w, f, dy, hs, gs, dq, dk, dv, df, dwo, b, n, bn, 0, S, ct.bid(1), S,
+           GK, GF, GS, BK, BV, TG, TG, DOT, FAST, KV, True)
 
 
 def schedule(nseg: int, S: int, ckpt: int) -> list[tuple[int, int, int, int]]:
@@ -548,14 +632,18 @@ def schedule(nseg: int, S: int, ckpt: int) -> list[tuple[int, int, int, int]]:
 _KERNELS: dict = {}
 
 
-def _kernels(config: dict):
-    """(forward, backward) ``ct.kernel`` objects for the config's compiler hints (0 = compiler's choice)."""
+def _kernels(config: dict) -> dict:
+    """{"forward", "backward"[, "gradients"]}: the ``ct.kernel`` objects of the config's walk with its
+    compiler hints (0 = compiler's choice); "backward" is the segment kernel, or with WALK = "store" the
+    chain, and "gradients" that walk's gradient kernel."""
     nww = config["num_worker_warps"] or None
-    seg = _seg3 if config["WALK"] == "chain" else _seg
-    key = (config["fwd_occupancy"], config["occupancy"], nww, seg.__name__)
+    fns = {"step": (_fwd_ckpt, _seg), "chunk": (_fwd_ckpt, _seg), "chain": (_fwd_ckpt, _seg3),
+           "store": (_fwd_store, _chain_all, _grads_all)}[config["WALK"]]
+    hints = (config["fwd_occupancy"], config["occupancy"], config["g_occupancy"])
+    key = (hints, nww, tuple(fn.__name__ for fn in fns))
     if key not in _KERNELS:
-        _KERNELS[key] = (ct.kernel(_fwd_ckpt, occupancy=key[0] or None, num_worker_warps=nww),
-                         ct.kernel(seg, occupancy=key[1] or None, num_worker_warps=nww))
+        _KERNELS[key] = {name: ct.kernel(fn, occupancy=occ or None, num_worker_warps=nww)
+                         for name, fn, occ in zip(KERNEL_NAMES, fns, hints)}
     return _KERNELS[key]
 
 
@@ -612,21 +700,24 @@ def config_reason(config: dict, shape: dict) -> str | None:
     if config["num_worker_warps"] not in (0, 4, 8):
         # cuda-tile 1.7.0 emits bytecode 13.4, where tileiras takes only 4 or 8 (other values: 13.5+).
         return f"num_worker_warps={config['num_worker_warps']} must be 0 (auto), 4 or 8"
-    for key in ("occupancy", "fwd_occupancy"):
+    for key in ("occupancy", "fwd_occupancy", "g_occupancy"):
         if config[key] not in range(0, 33):
             return f"{key}={config[key]} must be 0 (auto) or in [1, 32]"
     B, S, N = shape["B"], shape["S"], shape["N"]
     tile = _block(shape["K"]) * _block(shape["V"])
-    if max(B * S * N * _block(max(shape["K"], shape["V"])),
-           B * N * max(_nseg(config, shape) * config["G_SPLIT"], config["CKPT"]) * tile) >= 2**31:
+    # The scratch of WALK = "store" (every state) is indexed in int64; the others' arrays are not.
+    rows = config["G_SPLIT"] if config["WALK"] == "store" else max(_nseg(config, shape) * config["G_SPLIT"],
+                                                                   config["CKPT"])
+    if max(B * S * N * _block(max(shape["K"], shape["V"])), B * N * rows * tile) >= 2**31:
         return "arrays with 2^31 or more elements need int64 indexing, which this lane does not specialize"
     return None
 
 
 def _chain_reason(config: dict, shape: dict) -> str | None:
-    """The rules of WALK = "chain"'s own knobs; they must stay at their defaults for the other walks."""
-    chain = config["WALK"] == "chain"
-    if config["T_G"] not in CHUNKS or config["T_G"] > config["CKPT"]:
+    """The rules of the knobs of WALK = "chain" / "store"; they must stay at their NEUTRAL values for the
+    other walks, and the checkpoint knobs at STORE_CKPT / 0 for WALK = "store"."""
+    walk = config["WALK"]
+    if config["T_G"] not in CHUNKS or config["T_G"] > config["CKPT"] and walk != "store":
         return f"T_G={config['T_G']} must be one of {', '.join(map(str, CHUNKS))} and at most CKPT={config['CKPT']}"
     if _block(shape["K"]) * _block(shape["V"]) * config["T_G"] > 16_384:
         return (f"T_G={config['T_G']} stacked states of [{_block(shape['K'])}, {_block(shape['V'])}] exceed 16K "
@@ -637,11 +728,13 @@ def _chain_reason(config: dict, shape: dict) -> str | None:
         return f"SCRATCH={config['SCRATCH']!r} must be one of {', '.join(SCRATCHES)}"
     if not isinstance(config["DZ_STORE"], bool):
         return "DZ_STORE must be true or false"
-    if chain and config["ROLES"] != "split":
-        return "WALK=chain runs its chain, recompute and gradient roles as separate programs: ROLES must be split"
-    if not chain and (config["SCRATCH"], config["DZ_STORE"], config["G_SPLIT"], config["T_G"]) != \
-            tuple(DEFAULTS[k] for k in ("SCRATCH", "DZ_STORE", "G_SPLIT", "T_G")):
-        return f"SCRATCH, DZ_STORE, G_SPLIT and T_G apply to WALK=chain only (WALK={config['WALK']!r})"
+    if walk in ("chain", "store") and config["ROLES"] != "split":
+        return f"WALK={walk} runs its chain and gradients as separate programs: ROLES must be split"
+    if walk not in ("chain", "store") and any(config[k] != NEUTRAL[k] for k in NEUTRAL):
+        return f"{', '.join(NEUTRAL)} apply to WALK=chain / store only (WALK={walk!r})"
+    if walk == "store" and (config["CKPT"], config["T_RE"], config["DZ_STORE"]) != (STORE_CKPT, 0, True):
+        return (f"WALK=store keeps every state (no checkpoints) and always stores dz: CKPT must stay "
+                f"{STORE_CKPT}, T_RE 0 and DZ_STORE true")
     if config["SCRATCH"] == "bfloat16" and (shape["dtype"] != "bfloat16" or config["DOT"] != "input"):
         # With bf16 operands the recomputed Z from a bf16 state is the recompute's own Z.
         return "SCRATCH=bfloat16 needs bf16 inputs and DOT=input (the products already round the states to bf16)"
@@ -686,6 +779,11 @@ _CHAIN_CONSTS = ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "CKPT", "T", "TR", "TG
                  "SCB")
 
 
+_STORE_CONSTS = {"forward": ("N", "GK", "GW", "GF", "BK", "BV", "T_FWD", "HAS_H0", "DOT", "FAST", "KV", "SCB"),
+                 "backward": ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "T", "DOT", "FAST", "KV", "SCB"),
+                 "gradients": ("N", "GK", "GW", "GF", "GS", "BK", "BV", "TG", "DOT", "FAST", "KV")}
+
+
 def _bwd_consts(config: dict) -> tuple:
     return _CHAIN_CONSTS if config["WALK"] == "chain" else _BWD_CONSTS
 
@@ -694,15 +792,17 @@ def _nseg(config: dict, shape: dict) -> int:
     return -(-shape["S"] // config["CKPT"])
 
 
-def _array(dtype: str, size: tuple):
+def _array(dtype: str, size: tuple, index64: bool = False):
     """The ArrayConstraint cuTile's JIT derives for a contiguous, 16-byte aligned torch tensor (the rules
-    of kernels/cutile/gemm.py's _array_constraint, any rank)."""
+    of kernels/cutile/gemm.py's _array_constraint, any rank); index64 for a parameter annotated
+    ``ct.IndexedWithInt64``."""
     from cuda.tile.compilation import ArrayConstraint
     elem = _ELEM[dtype]
     strides = [1]
     for s in reversed(size[1:]):
         strides.insert(0, strides[0] * s)
-    return ArrayConstraint(_CT[dtype], len(size), index_dtype=ct.int32, stride_lower_bound_incl=0, alias_groups=(),
+    return ArrayConstraint(_CT[dtype], len(size), index_dtype=ct.int64 if index64 else ct.int32,
+                           stride_lower_bound_incl=0, alias_groups=(),
                            may_alias_internally=False, stride_constant=tuple(1 if s == 1 else None for s in strides),
                            stride_divisible_by=tuple(16 // elem if s * elem % 16 == 0 else 1 for s in strides),
                            shape_divisible_by=tuple(16 if d % 16 == 0 else 1 for d in size),
@@ -710,8 +810,10 @@ def _array(dtype: str, size: tuple):
 
 
 def _scratch_dims(config: dict, shape: dict) -> tuple:
-    """One scratch buffer of states (and of G with WALK = "chain"): [B*N, CKPT, BK, BV]."""
-    return shape["B"] * shape["N"], config["CKPT"], _block(shape["K"]), _block(shape["V"])
+    """One scratch buffer of states (and of G with WALK = "chain"): [B*N, CKPT, BK, BV]; with
+    WALK = "store" all S steps: [B*N, S, BK, BV]."""
+    rows = shape["S"] if config["WALK"] == "store" else config["CKPT"]
+    return shape["B"] * shape["N"], rows, _block(shape["K"]), _block(shape["V"])
 
 
 def _dz_dims(config: dict, shape: dict) -> tuple:
@@ -720,9 +822,11 @@ def _dz_dims(config: dict, shape: dict) -> tuple:
 
 
 def _dw_dims(config: dict, shape: dict) -> tuple:
-    """dW parts of WALK = "chain": one [BV, BV] per (batch row and head, segment, gradient program)."""
+    """dW parts of WALK = "chain" / "store": one [BV, BV] per (batch row and head, segment (chain only),
+    gradient program)."""
     bv = _block(shape["V"])
-    return shape["B"] * shape["N"], _nseg(config, shape) * config["G_SPLIT"], bv, bv
+    segs = 1 if config["WALK"] == "store" else _nseg(config, shape)
+    return shape["B"] * shape["N"], segs * config["G_SPLIT"], bv, bv
 
 
 def _signatures(config: dict, shape: dict):
@@ -745,8 +849,18 @@ def _signatures(config: dict, shape: dict):
     else:
         bwd = [_array(dt, (B, S, shape["Nq"], K)), k, v, W, f, dy, ck, sc, sc, dh, dw, dh, dw, *grads,
                *[i32] * 4] + [c[n] for n in _BWD_CONSTS]
+    if config["WALK"] == "store":
+        big = _array(config["SCRATCH"], _scratch_dims(config, shape), index64=True)
+        fwd = [k, v, W, f, _array(dt, (B, N, K, V)), big, big] + [c[n] for n in _STORE_CONSTS["forward"]]
+        bwd = [_array(dt, (B, S, shape["Nq"], K)), k, v, W, f, dy, big, big, dh, dh, big] + \
+            [c[n] for n in _STORE_CONSTS["backward"]]
+        gr = [k, v, W, f, dy, big, big, *grads[:1], *grads, g(*_dw_dims(config, shape))] + \
+            [c[n] for n in _STORE_CONSTS["gradients"]]
     cc = CallingConvention.cutile_python_v1()
-    return KernelSignature(fwd, cc), KernelSignature(bwd, cc)
+    sigs = {"forward": KernelSignature(fwd, cc), "backward": KernelSignature(bwd, cc)}
+    if config["WALK"] == "store":
+        sigs["gradients"] = KernelSignature(gr, cc)
+    return sigs
 
 
 def compile_cubins(config: dict, shape: dict, target: str, which=("forward", "backward")) -> dict:
@@ -755,13 +869,14 @@ def compile_cubins(config: dict, shape: dict, target: str, which=("forward", "ba
     reason = eligibility(target) or config_reason(config, shape) or target_reason(config, target)
     if reason:
         raise ValueError(reason)
-    kernels = dict(zip(("forward", "backward"), _kernels(config)))
-    sigs = dict(zip(("forward", "backward"), _signatures(config, shape)))
+    kernels = _kernels(config)
+    sigs = _signatures(config, shape)
+    which = [name for name in which if name in kernels] + (["gradients"] if "gradients" in kernels else [])
     return {name: export_cubin(kernels[name], sigs[name], _gpu_code(target)) for name in which}
 
 
 def compile_for(config: dict, shape: dict, target: str) -> dict:
-    """Both kernels for ``target``; smem_bytes / registers / stack_bytes are the larger of the two."""
+    """Every kernel of the config for ``target``; smem_bytes / registers / stack_bytes are the largest."""
     t0 = time.perf_counter()
     cubins = compile_cubins(config, shape, target)
     seconds = time.perf_counter() - t0
@@ -775,14 +890,15 @@ def build(config: dict, shape: dict):
     reason = config_reason(config, shape)
     if reason:
         raise ValueError(reason)
-    fwd, bwd = _kernels(config)
-    c = _consts(config, shape)
+    kernels = _kernels(config)
+    fwd, bwd = kernels["forward"], kernels["backward"]
+    c = {**_consts(config, shape), "HAS_H0": bool(shape["h0"])}
     B, S, N, K, V = (shape[d] for d in ("B", "S", "N", "K", "V"))
     bk, bv, nseg = c["BK"], c["BV"], _nseg(config, shape)
     grid_fwd = (B * N, 1, 1)
-    chain = config["WALK"] == "chain"
-    grid = (B * N, 2 + config["G_SPLIT"] if chain else 2 if c["SPLIT"] else 1, 1)
-    plan = (schedule3 if chain else schedule)(nseg, S, config["CKPT"])
+    chain, store = config["WALK"] == "chain", config["WALK"] == "store"
+    grid = (B * N, 2 + config["G_SPLIT"] if chain else 1 if store or not c["SPLIT"] else 2, 1)
+    plan = [] if store else (schedule3 if chain else schedule)(nseg, S, config["CKPT"])
     work: dict = {}
 
     def alloc(dev):
@@ -792,7 +908,13 @@ def build(config: dict, shape: dict):
                     dh=[torch.zeros(B * N, bk, bv, **f32) for _ in range(2)],
                     dq=torch.empty(B, S, N, K, **f32), dk=torch.empty(B, S, N, K, **f32),
                     dv=torch.empty(B, S, N, V, **f32), df=torch.empty(B, S, N, **f32))
-        if chain:
+        if store:
+            scr = {"dtype": getattr(torch, config["SCRATCH"]), "device": dev}
+            work.update(h=torch.empty(*_scratch_dims(config, shape), **scr),
+                        dz=torch.empty(*_scratch_dims(config, shape), **scr),
+                        g=torch.empty(*_scratch_dims(config, shape), **scr),
+                        dwp=torch.empty(*_dw_dims(config, shape), **f32))
+        elif chain:
             scr = {"dtype": getattr(torch, config["SCRATCH"]), "device": dev}
             work.update(h=[torch.empty(*_scratch_dims(config, shape), **scr) for _ in range(3)],
                         dz=[torch.empty(*_dz_dims(config, shape), **scr) for _ in range(2)],
@@ -835,21 +957,40 @@ def build(config: dict, shape: dict):
         w = work
         stream = torch.cuda.current_stream()
         h0 = i.get("h0", i["dh_final"])        # not read when there is no h0
-        ct.launch(stream, grid_fwd, fwd, (i["k"], i["v"], i["W"], i["f"], i["dy"], h0, w["ckpt"], w["dq"],
-                                          *(c[n] if n != "HAS_H0" else bool(shape["h0"]) for n in _FWD_CONSTS)))
-        if trace is not None:
-            trace(-1, w)
-        # dH starts at dh_final (in dh[0] for both schedules), dW at zero; padded rows / columns stay zero.
+        # dH starts at dh_final (in dh[0] for every schedule), dW at zero; padded rows / columns stay zero.
         w["dh"][0].zero_()
         w["dh"][0][:, :K, :V].copy_(i["dh_final"].reshape(B * N, K, V))
+        if store:
+            return run_store(i, o, stream, h0)
+        ct.launch(stream, grid_fwd, fwd, (i["k"], i["v"], i["W"], i["f"], i["dy"], h0, w["ckpt"], w["dq"],
+                                          *(c[n] for n in _FWD_CONSTS)))
+        if trace is not None:
+            trace(-1, w)
         if not chain:
             w["dw"][0].zero_()
         dw, dh0 = walk(i, stream, trace)
+        finish(o, dw, dh0)
+        return {"grid": list(grid[:2]), "launches": 1 + len(plan)}
+
+    def run_store(i, o, stream, h0):
+        """WALK = "store": the storing forward, the chain, the gradients: three launches."""
+        w = work
+        con = {name: [c[n] for n in names] for name, names in _STORE_CONSTS.items()}
+        ct.launch(stream, grid_fwd, fwd, (i["k"], i["v"], i["W"], i["f"], h0, w["h"], w["dz"], *con["forward"]))
+        ct.launch(stream, grid_fwd, bwd, (i["q"], i["k"], i["v"], i["W"], i["f"], i["dy"], w["h"], w["dz"],
+                                          w["dh"][0], w["dh"][1], w["g"], *con["backward"]))
+        ct.launch(stream, (B * N, config["G_SPLIT"], 1), kernels["gradients"],
+                  (i["k"], i["v"], i["W"], i["f"], i["dy"], w["h"], w["g"], w["dq"], w["dk"], w["dv"], w["df"],
+                   w["dwp"], *con["gradients"]))
+        finish(o, w["dwp"].sum(1), w["dh"][1])
+        return {"grid": [B * N, config["G_SPLIT"]], "launches": 3}
+
+    def finish(o, dw, dh0):
+        w = work
         parts = {n: w[n] for n in ("dq", "dk", "dv", "df")}
         parts["dW"] = dw[:, :V, :V].reshape(B, N, V, V)
         parts["dh0"] = dh0[:, :K, :V].reshape(B, N, K, V)
         grads = m2.reduce_heads(parts, shape)
         for name, value in grads.items():
             o[name].copy_(value)
-        return {"grid": list(grid[:2]), "launches": 1 + len(plan)}
     return run
