@@ -209,7 +209,8 @@ def summarize(lane: Lane, space: Space, shape: dict, profile: DeviceProfile, com
     wrong_side = [r for r in compiled if r["estimate"] is not None
                   and (r["estimate"] <= limit) != (r["compiled"] <= limit)]
     unsupported = next((r["unsupported"] for r in rows if r["unsupported"]), None)
-    return {"space": len(configs), "space_size": space.size, "space_sampled": not exhaustive, "rejected": by_stage, "fit_estimate": len(passing), "over_estimate": len(over),
+    return {"space": len(configs), "space_size": space.size, "space_sampled": not exhaustive, "rejected": by_stage,
+            "fit_estimate": len(passing), "over_estimate": len(over),
             "sampled": len(to_compile), "unsupported": unsupported,
             "compiled": len(compiled), "compile_errors": sum(1 for r in rows if r["error"]),
             "fit_compiled": fits_compiled, "agree_exact": len(compiled) - len(disagree),

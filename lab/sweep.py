@@ -322,7 +322,7 @@ class Sweep:
                 measured[t.user_attrs["config_key"]] = t.value
         # Feasible configs at this shape: all of them for a space of at most SCAN_LIMIT points, else the seeds
         # and a seeded sample (counting a space of billions would take hours); unknown (inf) when sampled.
-        scanned, exhaustive = space.scan(seed=req.seed)
+        scanned, exhaustive = space.scan(seed=req.seed or 0)
         feasible_seen = sum(1 for c in scanned
                             if preflight.cheap_checks(lane, space, lane.full_config(c), shape, self.mode.requested).feasible)
         feasible_total = feasible_seen if exhaustive else (math.inf if feasible_seen else 0)

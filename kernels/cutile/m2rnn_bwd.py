@@ -843,7 +843,8 @@ def _signatures(config: dict, shape: dict):
     sc, dh, dw = g(B * N, config["CKPT"], bk, bv), g(B * N, bk, bv), g(B * N, bv, bv)
     grads = [g(B, S, N, K), g(B, S, N, V), g(B, S, N)]
     if config["WALK"] == "chain":
-        h, dz = _array(config["SCRATCH"], _scratch_dims(config, shape)), _array(config["SCRATCH"], _dz_dims(config, shape))
+        h = _array(config["SCRATCH"], _scratch_dims(config, shape))
+        dz = _array(config["SCRATCH"], _dz_dims(config, shape))
         bwd = [_array(dt, (B, S, shape["Nq"], K)), k, v, W, f, dy, ck, h, h, h, dz, dz, h, h, dh, dh, *grads,
                g(*_dw_dims(config, shape)), *[i32] * 6] + [c[n] for n in _CHAIN_CONSTS]
     else:
