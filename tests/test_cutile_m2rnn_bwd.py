@@ -132,7 +132,8 @@ def test_config_rules():
     store = cfg(WALK="store", DZ_STORE=True, G_SPLIT=64, T_G=16, g_occupancy=4)
     assert lane.config_reason(store, shape) is None
     assert "CKPT must stay" in lane.config_reason({**store, "CKPT": 32}, shape)
-    assert "CKPT must stay" in lane.config_reason({**store, "DZ_STORE": False}, shape)
+    assert "T_RE 0" in lane.config_reason({**store, "T_RE": 8}, shape)
+    assert lane.config_reason({**store, "DZ_STORE": False}, shape) is None
     assert "ROLES must be split" in lane.config_reason({**store, "ROLES": "fused"}, shape)
     assert "G_SPLIT" in lane.config_reason({**chain, "G_SPLIT": 3}, shape)
     assert "T_G" in lane.config_reason({**chain, "T_G": 32, "CKPT": 16}, shape)
@@ -325,7 +326,8 @@ def test_schedule3_runs_each_role_once_per_segment_in_order():
                                           (cfg(WALK="store", DZ_STORE=True, T=2, T_FWD=8, T_G=4, G_SPLIT=8),
                                            "float32"),
                                           (cfg(WALK="store", DZ_STORE=True, T=4, T_FWD=2, T_G=16, G_SPLIT=2,
-                                               KV="mma", SCRATCH="bfloat16"), "bfloat16")])
+                                               KV="mma", SCRATCH="bfloat16"), "bfloat16"),
+                                          (cfg(WALK="store", T=8, T_FWD=4, T_G=2, G_SPLIT=4), "float32")])
 def test_kernel_bodies_match_bptt(config, dtype, tile_methods):
     # Ragged S (not a multiple of T or CKPT), padded K and V, every head-sharing pattern, h0. fp64 stands
     # in for the kernels' fp32 math (the lane's buffers are fp32) and bf16 operands (DOT=input) stay

@@ -81,7 +81,8 @@ call ended): one kernel for three roles takes the register and shared memory nee
 gradients: 168 registers, 226 KB at occupancy 1), so 672 x 4 programs run in ~20 waves per launch.
 WALK = "store" (``_fwd_store``, ``_chain_all``, ``_grads_all``; 2026-11-23, not yet run on a GPU) drops the
 checkpoints: the forward keeps every state before its step and dz ([B*N, S, BK, BV] each, int64-indexed:
-2.8e9 elements, 5.6 GB in bf16 at b8_n84), then one launch walks the whole chain per (batch row, head)
+2.8e9 elements, 5.6 GB in bf16 at b8_n84; dz only with DZ_STORE, else the chain recomputes Z per chunk),
+then one launch walks the whole chain per (batch row, head)
 and one launch of B*N x G_SPLIT programs takes all gradients (dq too, from H_t = f H_{t-1} + (1 - f) Z).
 Three launches, each kernel with its own occupancy hint (fwd_occupancy, occupancy, g_occupancy), no
 launch gaps, and the gradients fully parallel; the cost is the traffic (states, dz and G written and read
@@ -575,9 +576,10 @@ def schedule3(nseg: int, S: int, ckpt: int) -> list[tuple[int, int, int, int, in
 
 
 def _fwd_store(k, v, W, f, h0, hs: ct.IndexedWithInt64, dzs: ct.IndexedWithInt64,
-               N: C, GK: C, GW: C, GF: C, BK: C, BV: C, T: C, HAS_H0: CB, DOT: C, FAST: CB, KV: CB, SCB: CB):
+               N: C, GK: C, GW: C, GF: C, BK: C, BV: C, T: C, HAS_H0: CB, DOT: C, FAST: CB, KV: CB, DZ: CB,
+               SCB: CB):
     """WALK = "store", grid B*N: the forward through all S steps, storing every state before its step to
-    hs [B*N, S, BK, BV] and (1 - f)(1 - Z^2) to dzs (int64 indexing: 2.8e9 elements at b8_n84)."""
+    hs [B*N, S, BK, BV] and, with DZ, (1 - f)(1 - Z^2) to dzs (int64 indexing: 2.8e9 elements at b8_n84)."""
     bn = ct.bid(0)
     b = bn // N
     n = bn % N
@@ -587,20 +589,21 @@ def _fwd_store(k, v, W, f, h0, hs: ct.IndexedWithInt64, dzs: ct.IndexedWithInt64
         h = ct.load(h0, (b, n, 0, 0), (1, 1, BK, BV), padding_mode=ZERO).reshape((BK, BV)).astype(F32)
     else:
         h = ct.zeros((BK, BV), dtype=F32)
-    _replay(k, v, w, f, h, hs, dzs, b, n, bn, 0, ct.cdiv(S, T), S, GK, GF, BK, BV, T, DOT, FAST, KV, True, SCB)
+    _replay(k, v, w, f, h, hs, dzs, b, n, bn, 0, ct.cdiv(S, T), S, GK, GF, BK, BV, T, DOT, FAST, KV, DZ, SCB)
 
 
 def _chain_all(q, k, v, W, f, dy, hs: ct.IndexedWithInt64, dzs: ct.IndexedWithInt64, dh_in, dh_out,
                gs: ct.IndexedWithInt64,
-               N: C, GQ: C, GK: C, GW: C, GF: C, BK: C, BV: C, T: C, DOT: C, FAST: CB, KV: CB, SCB: CB):
-    """WALK = "store", grid B*N: ``_chain`` through all S steps in one program, G to gs [B*N, S, BK, BV]."""
+               N: C, GQ: C, GK: C, GW: C, GF: C, BK: C, BV: C, T: C, DOT: C, FAST: CB, KV: CB, DZ: CB, SCB: CB):
+    """WALK = "store", grid B*N: ``_chain`` through all S steps in one program (dz loaded with DZ, else Z
+    recomputed from the stored states), G to gs [B*N, S, BK, BV]."""
     bn = ct.bid(0)
     b = bn // N
     n = bn % N
     S = v.shape[1]
     w = _load_w(W, n // GW, BV)
     _chain(q, k, v, w, f, dy, hs, dzs, dh_in, dh_out, gs, b, n, bn, 0, S, S,
-           GQ, GK, GF, BK, BV, T, T, DOT, FAST, KV, True, SCB)
+           GQ, GK, GF, BK, BV, T, T, DOT, FAST, KV, DZ, SCB)
 
 
 def _grads_all(k, v, W, f, dy, hs: ct.IndexedWithInt64, gs: ct.IndexedWithInt64, dq, dk, dv, df, dwo,
@@ -732,9 +735,8 @@ def _chain_reason(config: dict, shape: dict) -> str | None:
         return f"WALK={walk} runs its chain and gradients as separate programs: ROLES must be split"
     if walk not in ("chain", "store") and any(config[k] != NEUTRAL[k] for k in NEUTRAL):
         return f"{', '.join(NEUTRAL)} apply to WALK=chain / store only (WALK={walk!r})"
-    if walk == "store" and (config["CKPT"], config["T_RE"], config["DZ_STORE"]) != (STORE_CKPT, 0, True):
-        return (f"WALK=store keeps every state (no checkpoints) and always stores dz: CKPT must stay "
-                f"{STORE_CKPT}, T_RE 0 and DZ_STORE true")
+    if walk == "store" and (config["CKPT"], config["T_RE"]) != (STORE_CKPT, 0):
+        return f"WALK=store keeps every state (no checkpoints): CKPT must stay {STORE_CKPT} and T_RE 0"
     if config["SCRATCH"] == "bfloat16" and (shape["dtype"] != "bfloat16" or config["DOT"] != "input"):
         # With bf16 operands the recomputed Z from a bf16 state is the recompute's own Z.
         return "SCRATCH=bfloat16 needs bf16 inputs and DOT=input (the products already round the states to bf16)"
@@ -779,8 +781,8 @@ _CHAIN_CONSTS = ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "CKPT", "T", "TR", "TG
                  "SCB")
 
 
-_STORE_CONSTS = {"forward": ("N", "GK", "GW", "GF", "BK", "BV", "T_FWD", "HAS_H0", "DOT", "FAST", "KV", "SCB"),
-                 "backward": ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "T", "DOT", "FAST", "KV", "SCB"),
+_STORE_CONSTS = {"forward": ("N", "GK", "GW", "GF", "BK", "BV", "T_FWD", "HAS_H0", "DOT", "FAST", "KV", "DZ", "SCB"),
+                 "backward": ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "T", "DOT", "FAST", "KV", "DZ", "SCB"),
                  "gradients": ("N", "GK", "GW", "GF", "GS", "BK", "BV", "TG", "DOT", "FAST", "KV")}
 
 
@@ -852,8 +854,9 @@ def _signatures(config: dict, shape: dict):
                *[i32] * 4] + [c[n] for n in _BWD_CONSTS]
     if config["WALK"] == "store":
         big = _array(config["SCRATCH"], _scratch_dims(config, shape), index64=True)
-        fwd = [k, v, W, f, _array(dt, (B, N, K, V)), big, big] + [c[n] for n in _STORE_CONSTS["forward"]]
-        bwd = [_array(dt, (B, S, shape["Nq"], K)), k, v, W, f, dy, big, big, dh, dh, big] + \
+        dzb = _array(config["SCRATCH"], _dz_dims(config, shape), index64=True)
+        fwd = [k, v, W, f, _array(dt, (B, N, K, V)), big, dzb] + [c[n] for n in _STORE_CONSTS["forward"]]
+        bwd = [_array(dt, (B, S, shape["Nq"], K)), k, v, W, f, dy, big, dzb, dh, dh, big] + \
             [c[n] for n in _STORE_CONSTS["backward"]]
         gr = [k, v, W, f, dy, big, big, *grads[:1], *grads, g(*_dw_dims(config, shape))] + \
             [c[n] for n in _STORE_CONSTS["gradients"]]
@@ -912,7 +915,7 @@ def build(config: dict, shape: dict):
         if store:
             scr = {"dtype": getattr(torch, config["SCRATCH"]), "device": dev}
             work.update(h=torch.empty(*_scratch_dims(config, shape), **scr),
-                        dz=torch.empty(*_scratch_dims(config, shape), **scr),
+                        dz=torch.empty(*_dz_dims(config, shape), **scr),
                         g=torch.empty(*_scratch_dims(config, shape), **scr),
                         dwp=torch.empty(*_dw_dims(config, shape), **f32))
         elif chain:
