@@ -250,19 +250,27 @@ def _step(h, w, kc, vc, off, ff, i, BK, BV, T, DOT, FAST, KV):
     return z, ft * h + (1.0 - ft) * z
 
 
+def _program(v, W, N, GW, BV):
+    """(bn, b, n, S, w) of a program on grid axis 0 = batch row x value head: its index, batch row, head,
+    the sequence length and the head's W [BV, BV] in fp32."""
+    bn = ct.bid(0)
+    n = bn % N
+    return bn, bn // N, n, v.shape[1], _load_w(W, n // GW, BV)
+
+
+def _initial_state(h0, b, n, BK, BV, HAS_H0):
+    """The state before step 0, [BK, BV] fp32: h0's (zero-padded) or zeros."""
+    if HAS_H0:
+        return ct.load(h0, (b, n, 0, 0), (1, 1, BK, BV), padding_mode=ZERO).reshape((BK, BV)).astype(F32)
+    return ct.zeros((BK, BV), dtype=F32)
+
+
 def _fwd_ckpt(k, v, W, f, dy, h0, ckpt, dq,
               N: C, GK: C, GW: C, GF: C, BK: C, BV: C, CKPT: C, T: C, HAS_H0: CB, DOT: C, FAST: CB, KV: CB):
     """Grid B*N. States H_{j*CKPT - 1} into ckpt [B*N, NSEG, BK, BV]; dq_t = H_t dy_t (per value head)
     into dq [B, S, N, K] fp32."""
-    bn = ct.bid(0)
-    b = bn // N
-    n = bn % N
-    S = v.shape[1]
-    w = _load_w(W, n // GW, BV)
-    if HAS_H0:
-        h = ct.load(h0, (b, n, 0, 0), (1, 1, BK, BV), padding_mode=ZERO).reshape((BK, BV)).astype(F32)
-    else:
-        h = ct.zeros((BK, BV), dtype=F32)
+    bn, b, n, S, w = _program(v, W, N, GW, BV)
+    h = _initial_state(h0, b, n, BK, BV, HAS_H0)
     per = CKPT // T
     nch = ct.cdiv(S, T)
     for j in range(ct.cdiv(S, CKPT)):
@@ -432,11 +440,7 @@ def _seg(q, k, v, W, f, dy, ckpt, sc_in, sc_out, dh_in, dw_in, dh_out, dw_out, d
     Lr = 0) into sc_out, and walk segment jw (Lw steps, none when Lw = 0) from sc_in (``_walk_chunk``
     when CHUNKW, else ``_walk``); the recompute runs in chunks of TR steps, the walk of T. With SPLIT the grid is B*N x 2 and bid(1) picks the role. No array is
     both read and written here."""
-    bn = ct.bid(0)
-    b = bn // N
-    n = bn % N
-    S = v.shape[1]
-    w = _load_w(W, n // GW, BV)
+    bn, b, n, S, w = _program(v, W, N, GW, BV)
     if SPLIT:
         if ct.bid(1) == 0:
             _recompute(k, v, w, f, ckpt, sc_out, sc_out, b, n, bn, jr, Lr, S, GK, GF, BK, BV, CKPT, TR, DOT, FAST, KV,
@@ -543,11 +547,7 @@ def _seg3(q, k, v, W, f, dy, ckpt, h_re, h_ch, h_gr, dz_re, dz_ch, g_ch, g_gr, d
     segment jc, role 1 recomputes segment jr, roles 2.. take the gradients of segment jg (jc's successor,
     whose chain ran in the previous launch). A role with no steps does nothing. No array is both read
     and written here."""
-    bn = ct.bid(0)
-    b = bn // N
-    n = bn % N
-    S = v.shape[1]
-    w = _load_w(W, n // GW, BV)
+    bn, b, n, S, w = _program(v, W, N, GW, BV)
     role = ct.bid(1)
     if role == 0:
         if Lc > 0:
@@ -580,15 +580,8 @@ def _fwd_store(k, v, W, f, h0, hs: ct.IndexedWithInt64, dzs: ct.IndexedWithInt64
                SCB: CB):
     """WALK = "store", grid B*N: the forward through all S steps, storing every state before its step to
     hs [B*N, S, BK, BV] and, with DZ, (1 - f)(1 - Z^2) to dzs (int64 indexing: 2.8e9 elements at b8_n84)."""
-    bn = ct.bid(0)
-    b = bn // N
-    n = bn % N
-    S = v.shape[1]
-    w = _load_w(W, n // GW, BV)
-    if HAS_H0:
-        h = ct.load(h0, (b, n, 0, 0), (1, 1, BK, BV), padding_mode=ZERO).reshape((BK, BV)).astype(F32)
-    else:
-        h = ct.zeros((BK, BV), dtype=F32)
+    bn, b, n, S, w = _program(v, W, N, GW, BV)
+    h = _initial_state(h0, b, n, BK, BV, HAS_H0)
     _replay(k, v, w, f, h, hs, dzs, b, n, bn, 0, ct.cdiv(S, T), S, GK, GF, BK, BV, T, DOT, FAST, KV, DZ, SCB)
 
 
@@ -597,11 +590,7 @@ def _chain_all(q, k, v, W, f, dy, hs: ct.IndexedWithInt64, dzs: ct.IndexedWithIn
                N: C, GQ: C, GK: C, GW: C, GF: C, BK: C, BV: C, T: C, DOT: C, FAST: CB, KV: CB, DZ: CB, SCB: CB):
     """WALK = "store", grid B*N: ``_chain`` through all S steps in one program (dz loaded with DZ, else Z
     recomputed from the stored states), G to gs [B*N, S, BK, BV]."""
-    bn = ct.bid(0)
-    b = bn // N
-    n = bn % N
-    S = v.shape[1]
-    w = _load_w(W, n // GW, BV)
+    bn, b, n, S, w = _program(v, W, N, GW, BV)
     _chain(q, k, v, w, f, dy, hs, dzs, dh_in, dh_out, gs, b, n, bn, 0, S, S,
            GQ, GK, GF, BK, BV, T, T, DOT, FAST, KV, DZ, SCB)
 
@@ -610,11 +599,7 @@ def _grads_all(k, v, W, f, dy, hs: ct.IndexedWithInt64, gs: ct.IndexedWithInt64,
                N: C, GK: C, GW: C, GF: C, GS: C, BK: C, BV: C, TG: C, DOT: C, FAST: CB, KV: CB):
     """WALK = "store", grid B*N x GS: ``_grads`` (with dq) over all S steps, program bid(1) taking every
     GS-th chunk of TG steps; dW parts to dwo [B*N, GS, BV, BV]."""
-    bn = ct.bid(0)
-    b = bn // N
-    n = bn % N
-    S = v.shape[1]
-    w = _load_w(W, n // GW, BV)
+    bn, b, n, S, w = _program(v, W, N, GW, BV)
     _grads(k, v, w, f, dy, hs, gs, dq, dk, dv, df, dwo, b, n, bn, 0, S, ct.bid(1), S,
            GK, GF, GS, BK, BV, TG, TG, DOT, FAST, KV, True)
 
