@@ -46,7 +46,7 @@ def _profile(mod, problem, kernel, config, names):
             torch.cuda.synchronize()
         print(f"{name}: per call, {calls} calls")
         rows = [e for e in prof.key_averages() if e.device_time_total > 0]
-        for e in sorted(rows, key=lambda e: -e.device_time_total)[:3]:
+        for e in sorted(rows, key=lambda e: -e.device_time_total)[:6]:
             print(f"  {e.device_time_total / calls:10.1f} us  x{e.count // calls:<3d} {e.key[:90]}")
 
 
