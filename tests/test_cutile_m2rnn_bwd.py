@@ -327,13 +327,23 @@ def test_schedule3_runs_each_role_once_per_segment_in_order():
                                            "float32"),
                                           (cfg(WALK="store", DZ_STORE=True, T=4, T_FWD=2, T_G=16, G_SPLIT=2,
                                                KV="mma", SCRATCH="bfloat16"), "bfloat16"),
-                                          (cfg(WALK="store", T=8, T_FWD=4, T_G=2, G_SPLIT=4), "float32")])
-def test_kernel_bodies_match_bptt(config, dtype, tile_methods):
-    # Ragged S (not a multiple of T or CKPT), padded K and V, every head-sharing pattern, h0. fp64 stands
-    # in for the kernels' fp32 math (the lane's buffers are fp32) and bf16 operands (DOT=input) stay
-    # bf16-rounded, so the bound differs.
-    shape = {"B": 2, "S": 29, "N": 4, "Nq": 1, "Nk": 2, "Nw": 1, "Nf": 4, "K": 20, "V": 12, "h0": True,
+                                          (cfg(WALK="store", T=8, T_FWD=4, T_G=2, G_SPLIT=4), "float32"),
+                                          # dW as block-diagonal products: 4 steps each (two per chunk of 8),
+                                          # 2 (the whole chunk), bf16 scratch operands straight from the load
+                                          (cfg(WALK="store", DZ_STORE=True, T=2, T_FWD=8, T_G=8, G_SPLIT=2,
+                                               DW="diag"), "float32"),
+                                          (cfg(CKPT=16, T=4, WALK="chain", T_G=2, G_SPLIT=2, DW="diag"), "float32"),
+                                          (cfg(WALK="store", T=4, T_FWD=4, T_G=4, G_SPLIT=4, DW="diag",
+                                               SCRATCH="bfloat16"), "bfloat16")])
+@pytest.mark.parametrize("S", [29, 32])
+def test_kernel_bodies_match_bptt(config, dtype, S, tile_methods):
+    # S = 29: ragged (not a multiple of T or CKPT), rows past S masked; S = 32: every chunk full, no mask.
+    # Padded K and V, every head-sharing pattern, h0. fp64 stands in for the kernels' fp32 math (the lane's
+    # buffers are fp32) and bf16 operands (DOT=input) stay bf16-rounded, so the bound differs.
+    shape = {"B": 2, "S": S, "N": 4, "Nq": 1, "Nk": 2, "Nw": 1, "Nf": 4, "K": 20, "V": 12, "h0": True,
              "dtype": dtype}
+    if config["WALK"] in ("chain", "store"):
+        assert lane._ragged({**D, **config}, shape) == (S == 29)
     inputs = {n: x.double() for n, x in m2.make_inputs(shape, "cpu", 3, backward=True).items()}
     got = _emulate(config, shape, inputs)
     ref = m2.bptt_backward(inputs, shape, torch.float64)

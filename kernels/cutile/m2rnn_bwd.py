@@ -104,6 +104,8 @@ occupancy hints. Tunables:
   T_G, G_SPLIT      WALK = chain / store: the gradient programs' chunk (steps) and programs per (batch row,
                     head) and segment (chain) or sequence (store)
   SCRATCH, DZ_STORE WALK = chain / store: scratch dtype (float32, bfloat16); the recompute stores dz
+  DW                WALK = chain / store: the gradient programs' dW product: "pad" (states loaded again
+                    transposed, padded to 64 rows) or "diag" (block-diagonal product of the chunk's tiles)
   g_occupancy       WALK = store: the gradient kernel's CTAs-per-SM hint
   DOT               operands of the products for bf16 inputs: input (bf16, upstream's choice), tf32,
                     tf32x3 (hi/lo split, ~fp32), ieee (fp32 mma); fp32 inputs always use ieee
@@ -129,8 +131,8 @@ from lab.problems import _m2rnn as m2
 
 DSL = "cutile"
 KERNEL = "m2rnn_bwd"
-TUNABLES = ("CKPT", "T", "T_FWD", "T_RE", "KV", "WALK", "ROLES", "T_G", "G_SPLIT", "SCRATCH", "DZ_STORE", "DOT",
-            "FAST_TANH", "num_worker_warps", "occupancy", "fwd_occupancy", "g_occupancy")
+TUNABLES = ("CKPT", "T", "T_FWD", "T_RE", "KV", "WALK", "ROLES", "T_G", "G_SPLIT", "SCRATCH", "DZ_STORE", "DW",
+            "DOT", "FAST_TANH", "num_worker_warps", "occupancy", "fwd_occupancy", "g_occupancy")
 # Default: WALK = "chain" at CKPT 128, T = 4, bf16 scratch, dz stored, 4 gradient programs per segment, the
 # fastest parity-ok config of the H100 sweep of 2026-11-23 at b2_n8: 3.82 ms (results/h100/m2rnn_bwd/
 # 20261123T111757Z-*), against 5.89 for the chunk walk's best (20261123T031047Z-*). The step walk (WALK =
@@ -141,11 +143,12 @@ TUNABLES = ("CKPT", "T", "T_FWD", "T_RE", "KV", "WALK", "ROLES", "T_G", "G_SPLIT
 # bodies matches and other configs of the same code pass, which points at tileiras' lowering of that config;
 # it stays in the space so the parity check keeps reporting it.
 # The values the knobs of WALK = "chain" / "store" must keep for the other walks (they do not apply there).
-NEUTRAL = {"T_G": 8, "G_SPLIT": 1, "SCRATCH": "float32", "DZ_STORE": False, "g_occupancy": 0}
+NEUTRAL = {"T_G": 8, "G_SPLIT": 1, "SCRATCH": "float32", "DZ_STORE": False, "DW": "pad", "g_occupancy": 0}
 # WALK = "store" keeps no checkpoints: CKPT stays at this value (one config per distinct kernel).
 STORE_CKPT = 64
 DEFAULTS = {"CKPT": 128, "T": 4, "T_FWD": 16, "T_RE": 0, "KV": "outer", "WALK": "chain", "ROLES": "split",
-            "T_G": 4, "G_SPLIT": 4, "SCRATCH": "bfloat16", "DZ_STORE": True, "DOT": "input", "FAST_TANH": True,
+            "T_G": 4, "G_SPLIT": 4, "SCRATCH": "bfloat16", "DZ_STORE": True, "DW": "pad", "DOT": "input",
+            "FAST_TANH": True,
             "num_worker_warps": 0, "occupancy": 1, "fwd_occupancy": 3, "g_occupancy": 0}
 TARGETS = tuple(f"sm_{a}a" if a in (90, 100, 103, 110, 120, 121) else f"sm_{a}" for a in ARCHS)
 DTYPES = ("float32", "bfloat16")
@@ -154,6 +157,7 @@ ROLES = ("split", "fused")
 WALKS = ("step", "chunk", "chain", "store")
 KERNEL_NAMES = ("forward", "backward", "gradients")
 SCRATCHES = ("float32", "bfloat16")
+DWS = ("pad", "diag")
 G_SPLITS = (1, 2, 4, 8, 16, 32, 64)
 KVS = ("outer", "mma")
 CKPTS = (16, 32, 64, 128, 256)
@@ -499,24 +503,35 @@ def _chain(q, k, v, w, f, dy, sc, dzi, dh_in, dh_out, go, b, n, bn, jc, Lc, S,
 
 
 def _grads(k, v, w, f, dy, sc, gi, dq, dk, dv, df, dwo, b, n, bn, jg, Lg, part, S,
-           GK, GF, GS, BK, BV, CKPT, TG, DOT, FAST, KV, DQ):
+           GK, GF, GS, BK, BV, CKPT, TG, DOT, FAST, KV, DQ, SUB, RAG):
     """WALK = "chain": the gradients of segment jg that are not on the chain, from its states (sc) and
     the chain's G (gi), in chunks of TG steps; program ``part`` of GS takes chunks part, part + GS, ...
     Per chunk Z is recomputed (one batched product), dX = (1 - f)(1 - Z^2) G, and dk = dX v, dv = k^T dX,
-    df = sum G (H - Z) are batched reductions, dW += H^T dX one [MP, TG*BK] x [TG*BK, BV] product (as in
-    ``_walk_chunk``); the segment's dW part goes to dwo[bn, jg*GS + part]. Rows past S are zeroed: a chunk
-    longer than the chain's or the recompute's may read scratch rows no launch wrote. With DQ also
+    df = sum G (H - Z) are batched reductions. dW += H^T dX: with SUB > 0 (``dw_sub``), per SUB steps one
+    [SUB*BV, BK] x [BK, SUB*BV] product of the chunk's own states and dX (transposed in registers), whose
+    diagonal [BV, BV] blocks t = t' are the steps' H_t^T dX_t; the off-diagonal ones are summed along and
+    dropped once per program. Else one [MP, TG*BK] x [TG*BK, BV] product of the states loaded again
+    transposed and zero-padded to 64 rows (as ``_walk_chunk``). The segment's dW part goes to
+    dwo[bn, jg*GS + part]. With RAG (S not a multiple of the segment / chunk) rows past S are zeroed: a
+    chunk longer than the chain's or the recompute's may read scratch rows no launch wrote. With DQ also
     dq_t = H_t dy_t, H_t = f H_{t-1} + (1 - f) Z (WALK = "store", whose forward writes no dq)."""
     MP = max(64, BV)
-    dwp = ct.zeros((MP, BV), dtype=F32)
+    if SUB:
+        dwp = ct.zeros((SUB * BV, SUB * BV), dtype=F32)
+    else:
+        dwp = ct.zeros((MP, BV), dtype=F32)
     per = CKPT // TG
     nch = ct.cdiv(Lg, TG)
     for cc in range(ct.cdiv(nch - part, GS)):
         c = part + cc * GS
         cg = jg * per + c
-        live = ct.arange(TG, dtype=ct.int32).reshape((TG, 1, 1)) + cg * TG < S
-        hc = ct.where(live, ct.load(sc, (bn, c, 0, 0), (1, TG, BK, BV)).reshape((TG, BK, BV)).astype(F32), 0.0)
-        g = ct.where(live, ct.load(gi, (bn, c, 0, 0), (1, TG, BK, BV)).reshape((TG, BK, BV)).astype(F32), 0.0)
+        hraw = ct.load(sc, (bn, c, 0, 0), (1, TG, BK, BV)).reshape((TG, BK, BV))
+        g = ct.load(gi, (bn, c, 0, 0), (1, TG, BK, BV)).reshape((TG, BK, BV)).astype(F32)
+        hc = hraw.astype(F32)
+        if RAG:
+            live = ct.arange(TG, dtype=ct.int32).reshape((TG, 1, 1)) + cg * TG < S
+            hc = ct.where(live, hc, 0.0)
+            g = ct.where(live, g, 0.0)
         kr = _rows(k, b, n // GK, cg, TG, BK).reshape((TG, BK, 1))
         vr = _rows(v, b, n, cg, TG, BV).reshape((TG, 1, BV))
         ff = _gates(f, b, n // GF, cg, TG, S).reshape((TG, 1, 1))
@@ -533,16 +548,32 @@ def _grads(k, v, w, f, dy, sc, gi, dq, dk, dv, df, dwo, b, n, bn, jg, Lg, part, 
             hn = ff * hc + (1.0 - ff) * z
             dyr = _rows(dy, b, n, cg, TG, BV).reshape((TG, 1, BV))
             ct.store(dq, (b, n, cg, 0), ct.sum(hn * dyr, axis=2).reshape((1, 1, TG, BK)), order=(0, 2, 1, 3))
-        hpt = ct.load(sc, (bn, 0, c, 0), (1, MP, TG, BK), order=(0, 3, 1, 2), padding_mode=ZERO)
-        hpt = ct.where(live.reshape((1, TG, 1)), hpt.reshape((MP, TG, BK)).astype(F32), 0.0)
-        dwp = _prod(hpt.reshape((MP, TG * BK)), dxs.reshape((TG * BK, BV)), dwp, DOT, False)
-    ct.store(dwo, (bn, jg * GS + part, 0, 0), ct.extract(dwp, (0, 0), (BV, BV)).reshape((1, 1, BV, BV)))
+        if SUB:
+            # bf16 operands straight from a bf16 scratch when no row needs zeroing (no round trip via fp32).
+            hsrc = hraw if DOT == 0 and not RAG else hc
+            for s in ct.static_iter(range(TG // SUB)):
+                ha = ct.permute(ct.extract(hsrc, (s, 0, 0), (SUB, BK, BV)), (0, 2, 1)).reshape((SUB * BV, BK))
+                xb = ct.permute(ct.extract(dxs, (s, 0, 0), (SUB, BK, BV)), (1, 0, 2)).reshape((BK, SUB * BV))
+                dwp = _prod(ha, xb, dwp, DOT, False)
+        else:
+            hpt = ct.load(sc, (bn, 0, c, 0), (1, MP, TG, BK), order=(0, 3, 1, 2), padding_mode=ZERO)
+            hpt = hpt.reshape((MP, TG, BK)).astype(F32)
+            if RAG:
+                live_t = ct.arange(TG, dtype=ct.int32).reshape((1, TG, 1)) + cg * TG < S
+                hpt = ct.where(live_t, hpt, 0.0)
+            dwp = _prod(hpt.reshape((MP, TG * BK)), dxs.reshape((TG * BK, BV)), dwp, DOT, False)
+    if SUB:
+        eye = ct.arange(SUB, dtype=ct.int32).reshape((SUB, 1, 1, 1)) == ct.arange(SUB, dtype=ct.int32).reshape((1, 1, SUB, 1))
+        dw = ct.sum(ct.sum(ct.where(eye, dwp.reshape((SUB, BV, SUB, BV)), 0.0), axis=2), axis=0)
+    else:
+        dw = ct.extract(dwp, (0, 0), (BV, BV))
+    ct.store(dwo, (bn, jg * GS + part, 0, 0), dw.reshape((1, 1, BV, BV)))
 
 
 def _seg3(q, k, v, W, f, dy, ckpt, h_re, h_ch, h_gr, dz_re, dz_ch, g_ch, g_gr, dh_in, dh_out, dk, dv, df, dwo,
           jc: int, Lc: int, jr: int, Lr: int, jg: int, Lg: int,
           N: C, GQ: C, GK: C, GW: C, GF: C, BK: C, BV: C, CKPT: C, T: C, TR: C, TG: C, GS: C, DOT: C, FAST: CB,
-          KV: CB, DZ: CB, SCB: CB):
+          KV: CB, DZ: CB, SCB: CB, SUB: C, RAG: CB):
     """One launch of WALK = "chain" (``schedule3``), grid B*N x (2 + GS): role 0 walks the chain of
     segment jc, role 1 recomputes segment jr, roles 2.. take the gradients of segment jg (jc's successor,
     whose chain ran in the previous launch). A role with no steps does nothing. No array is both read
@@ -560,7 +591,7 @@ def _seg3(q, k, v, W, f, dy, ckpt, h_re, h_ch, h_gr, dz_re, dz_ch, g_ch, g_gr, d
     else:
         if Lg > 0:
             _grads(k, v, w, f, dy, h_gr, g_gr, dk, dk, dv, df, dwo, b, n, bn, jg, Lg, role - 2, S,
-                   GK, GF, GS, BK, BV, CKPT, TG, DOT, FAST, KV, False)
+                   GK, GF, GS, BK, BV, CKPT, TG, DOT, FAST, KV, False, SUB, RAG)
 
 
 def schedule3(nseg: int, S: int, ckpt: int) -> list[tuple[int, int, int, int, int, int]]:
@@ -596,12 +627,12 @@ def _chain_all(q, k, v, W, f, dy, hs: ct.IndexedWithInt64, dzs: ct.IndexedWithIn
 
 
 def _grads_all(k, v, W, f, dy, hs: ct.IndexedWithInt64, gs: ct.IndexedWithInt64, dq, dk, dv, df, dwo,
-               N: C, GK: C, GW: C, GF: C, GS: C, BK: C, BV: C, TG: C, DOT: C, FAST: CB, KV: CB):
+               N: C, GK: C, GW: C, GF: C, GS: C, BK: C, BV: C, TG: C, DOT: C, FAST: CB, KV: CB, SUB: C, RAG: CB):
     """WALK = "store", grid B*N x GS: ``_grads`` (with dq) over all S steps, program bid(1) taking every
     GS-th chunk of TG steps; dW parts to dwo [B*N, GS, BV, BV]."""
     bn, b, n, S, w = _program(v, W, N, GW, BV)
     _grads(k, v, w, f, dy, hs, gs, dq, dk, dv, df, dwo, b, n, bn, 0, S, ct.bid(1), S,
-           GK, GF, GS, BK, BV, TG, TG, DOT, FAST, KV, True)
+           GK, GF, GS, BK, BV, TG, TG, DOT, FAST, KV, True, SUB, RAG)
 
 
 def schedule(nseg: int, S: int, ckpt: int) -> list[tuple[int, int, int, int]]:
@@ -716,6 +747,8 @@ def _chain_reason(config: dict, shape: dict) -> str | None:
         return f"SCRATCH={config['SCRATCH']!r} must be one of {', '.join(SCRATCHES)}"
     if not isinstance(config["DZ_STORE"], bool):
         return "DZ_STORE must be true or false"
+    if config["DW"] not in DWS:
+        return f"DW={config['DW']!r} must be one of {', '.join(DWS)}"
     if walk in ("chain", "store") and config["ROLES"] != "split":
         return f"WALK={walk} runs its chain and gradients as separate programs: ROLES must be split"
     if walk not in ("chain", "store") and any(config[k] != NEUTRAL[k] for k in NEUTRAL):
@@ -757,18 +790,31 @@ def _consts(config: dict, shape: dict) -> dict:
             "T_FWD": config["T_FWD"], "TR": _t_re(config), "KV": config["KV"] == "mma",
             "DOT": dot_mode(config, shape), "FAST": bool(config["FAST_TANH"]),
             "SPLIT": config["ROLES"] == "split", "CHUNKW": config["WALK"] == "chunk", "TG": config["T_G"],
-            "GS": config["G_SPLIT"], "DZ": config["DZ_STORE"], "SCB": config["SCRATCH"] == "bfloat16"}
+            "GS": config["G_SPLIT"], "DZ": config["DZ_STORE"], "SCB": config["SCRATCH"] == "bfloat16",
+            "SUB": dw_sub(config, shape), "RAG": _ragged(config, shape)}
+
+
+def dw_sub(config: dict, shape: dict) -> int:
+    """DW = "diag": steps per dW product of the gradient programs, so that its [SUB*BV, SUB*BV] result has
+    at most 64 rows (one wgmma M); 0 for DW = "pad"."""
+    return max(1, min(config["T_G"], 64 // _block(shape["V"]))) if config["DW"] == "diag" else 0
+
+
+def _ragged(config: dict, shape: dict) -> bool:
+    """Whether a gradient chunk can reach past S: S not a multiple of the store walk's chunk or of the
+    chain walk's segment (CKPT, a multiple of T_G); only then are its rows masked."""
+    return shape["S"] % (config["T_G"] if config["WALK"] == "store" else config["CKPT"]) != 0
 
 
 _FWD_CONSTS = ("N", "GK", "GW", "GF", "BK", "BV", "CKPT", "T_FWD", "HAS_H0", "DOT", "FAST", "KV")
 _BWD_CONSTS = ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "CKPT", "T", "TR", "DOT", "FAST", "SPLIT", "CHUNKW", "KV")
 _CHAIN_CONSTS = ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "CKPT", "T", "TR", "TG", "GS", "DOT", "FAST", "KV", "DZ",
-                 "SCB")
+                 "SCB", "SUB", "RAG")
 
 
 _STORE_CONSTS = {"forward": ("N", "GK", "GW", "GF", "BK", "BV", "T_FWD", "HAS_H0", "DOT", "FAST", "KV", "DZ", "SCB"),
                  "backward": ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "T", "DOT", "FAST", "KV", "DZ", "SCB"),
-                 "gradients": ("N", "GK", "GW", "GF", "GS", "BK", "BV", "TG", "DOT", "FAST", "KV")}
+                 "gradients": ("N", "GK", "GW", "GF", "GS", "BK", "BV", "TG", "DOT", "FAST", "KV", "SUB", "RAG")}
 
 
 def _bwd_consts(config: dict) -> tuple:
