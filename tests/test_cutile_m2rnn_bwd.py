@@ -229,7 +229,10 @@ def tile_methods(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "astype", lambda self, dtype: self.to(dtype), raising=False)
     full = torch.full
     monkeypatch.setattr(torch, "empty", lambda *size, **kw: full(size, float("nan"), **kw))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: None)
+    stream = types.SimpleNamespace(wait_stream=lambda other: None, wait_event=lambda event: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda **kw: types.SimpleNamespace(**vars(stream)))
+    monkeypatch.setattr(torch.cuda, "Event", lambda: types.SimpleNamespace(record=lambda stream: None))
 
 
 def _emulate(config, shape, inputs):
@@ -253,7 +256,7 @@ def _emulate(config, shape, inputs):
     nseg = ns["_nseg"]({**D, **config}, shape)
     chain = {**D, **config}["WALK"] == "chain"
     if {**D, **config}["WALK"] == "store":
-        assert launches == ["_fwd_store", "_chain_all", "_grads_all"]
+        assert launches == ["_fwd_store"] + ["_chain_all", "_grads_all"] * ns["pieces"]({**D, **config}, shape)
     else:
         assert launches == ["_fwd_ckpt"] + (["_seg3"] * (nseg + 2) if chain else ["_seg"] * (nseg + 1))
     assert info["launches"] == len(launches)
@@ -334,6 +337,12 @@ def test_schedule3_runs_each_role_once_per_segment_in_order():
                                                DW="diag"), "float32"),
                                           (cfg(CKPT=16, T=4, WALK="chain", T_G=2, G_SPLIT=2, DW="diag"), "float32"),
                                           (cfg(WALK="store", T=4, T_FWD=4, T_G=4, G_SPLIT=4, DW="diag",
+                                               SCRATCH="bfloat16"), "bfloat16"),
+                                          # the chain in pieces of 16 steps (the last one shorter when
+                                          # ragged), each piece's gradients after it
+                                          (cfg(WALK="store", DZ_STORE=True, T=4, T_FWD=8, T_G=8, G_SPLIT=2,
+                                               DW="diag", PIPE=2), "float32"),
+                                          (cfg(WALK="store", T=2, T_FWD=4, T_G=4, G_SPLIT=1, PIPE=4,
                                                SCRATCH="bfloat16"), "bfloat16")])
 @pytest.mark.parametrize("S", [29, 32])
 def test_kernel_bodies_match_bptt(config, dtype, S, tile_methods):

@@ -106,6 +106,8 @@ occupancy hints. Tunables:
   SCRATCH, DZ_STORE WALK = chain / store: scratch dtype (float32, bfloat16); the recompute stores dz
   DW                WALK = chain / store: the gradient programs' dW product: "pad" (states loaded again
                     transposed, padded to 64 rows) or "diag" (block-diagonal product of the chunk's tiles)
+  PIPE              WALK = store: pieces of the chain, each one launch, whose gradients run beside the
+                    next piece's chain (two streams)
   g_occupancy       WALK = store: the gradient kernel's CTAs-per-SM hint
   DOT               operands of the products for bf16 inputs: input (bf16, upstream's choice), tf32,
                     tf32x3 (hi/lo split, ~fp32), ieee (fp32 mma); fp32 inputs always use ieee
@@ -132,7 +134,7 @@ from lab.problems import _m2rnn as m2
 DSL = "cutile"
 KERNEL = "m2rnn_bwd"
 TUNABLES = ("CKPT", "T", "T_FWD", "T_RE", "KV", "WALK", "ROLES", "T_G", "G_SPLIT", "SCRATCH", "DZ_STORE", "DW",
-            "DOT", "FAST_TANH", "num_worker_warps", "occupancy", "fwd_occupancy", "g_occupancy")
+            "PIPE", "DOT", "FAST_TANH", "num_worker_warps", "occupancy", "fwd_occupancy", "g_occupancy")
 # Default: WALK = "chain" at CKPT 128, T = 4, bf16 scratch, dz stored, 4 gradient programs per segment, the
 # fastest parity-ok config of the H100 sweep of 2026-11-23 at b2_n8: 3.82 ms (results/h100/m2rnn_bwd/
 # 20261123T111757Z-*), against 5.89 for the chunk walk's best (20261123T031047Z-*). The step walk (WALK =
@@ -147,7 +149,8 @@ NEUTRAL = {"T_G": 8, "G_SPLIT": 1, "SCRATCH": "float32", "DZ_STORE": False, "DW"
 # WALK = "store" keeps no checkpoints: CKPT stays at this value (one config per distinct kernel).
 STORE_CKPT = 64
 DEFAULTS = {"CKPT": 128, "T": 4, "T_FWD": 16, "T_RE": 0, "KV": "outer", "WALK": "chain", "ROLES": "split",
-            "T_G": 4, "G_SPLIT": 4, "SCRATCH": "bfloat16", "DZ_STORE": True, "DW": "pad", "DOT": "input",
+            "T_G": 4, "G_SPLIT": 4, "SCRATCH": "bfloat16", "DZ_STORE": True, "DW": "pad", "PIPE": 1,
+            "DOT": "input",
             "FAST_TANH": True,
             "num_worker_warps": 0, "occupancy": 1, "fwd_occupancy": 3, "g_occupancy": 0}
 TARGETS = tuple(f"sm_{a}a" if a in (90, 100, 103, 110, 120, 121) else f"sm_{a}" for a in ARCHS)
@@ -158,6 +161,7 @@ WALKS = ("step", "chunk", "chain", "store")
 KERNEL_NAMES = ("forward", "backward", "gradients")
 SCRATCHES = ("float32", "bfloat16")
 DWS = ("pad", "diag")
+PIPES = (1, 2, 4, 8, 16, 32)
 G_SPLITS = (1, 2, 4, 8, 16, 32, 64)
 KVS = ("outer", "mma")
 CKPTS = (16, 32, 64, 128, 256)
@@ -470,8 +474,9 @@ def _walk_any(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b
 
 
 def _chain(q, k, v, w, f, dy, sc, dzi, dh_in, dh_out, go, b, n, bn, jc, Lc, S,
-           GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, KV, DZ, SCB):
-    """WALK = "chain": only the serial chain of segment jc (Lc steps), per chunk of T from the last:
+           GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, KV, DZ, SCB, GL):
+    """WALK = "chain": only the serial chain of segment jc (Lc steps), per chunk of T from the last
+    (GL: the scratch holds every step, indexed by the global chunk; else the segment's alone):
     G = dH + q dy^T, dX = dz G, dH = dX W^T + f G, with dz = (1 - f)(1 - Z^2) loaded from dzi (DZ) or
     recomputed per chunk from the states in sc (one batched product, off the chain); the chunk's G
     stacked and stored to go. dk, dv, df and dW are left to ``_grads`` in the next launch."""
@@ -482,11 +487,12 @@ def _chain(q, k, v, w, f, dy, sc, dzi, dh_in, dh_out, go, b, n, bn, jc, Lc, S,
     for cc in range(nch):
         c = nch - 1 - cc
         cg = jc * per + c
+        cs = cg if GL else c
         ff = _gates(f, b, n // GF, cg, T, S).reshape((T, 1, 1))
         if DZ:
-            dz = ct.load(dzi, (bn, c, 0, 0), (1, T, BK, BV)).reshape((T, BK, BV)).astype(F32)
+            dz = ct.load(dzi, (bn, cs, 0, 0), (1, T, BK, BV)).reshape((T, BK, BV)).astype(F32)
         else:
-            hc = ct.load(sc, (bn, c, 0, 0), (1, T, BK, BV)).reshape((T, BK, BV)).astype(F32)
+            hc = ct.load(sc, (bn, cs, 0, 0), (1, T, BK, BV)).reshape((T, BK, BV)).astype(F32)
             z = _tanh(_prod(hc, w, _outer_stack(k, v, b, n // GK, n, cg, T, BK, BV, KV), DOT, True), FAST)
             dz = (1.0 - ff) * (1.0 - z * z)
         qdy = _outer_stack(q, dy, b, n // GQ, n, cg, T, BK, BV, KV)
@@ -498,12 +504,12 @@ def _chain(q, k, v, w, f, dy, sc, dzi, dh_in, dh_out, go, b, n, bn, jc, Lc, S,
             ft = ct.extract(ff, (i, 0, 0), (1, 1, 1)).reshape((1, 1))
             dH = _prod(dX, wt, ft * G, DOT, True)
             gs = ct.insert(gs, (i, 0, 0), G.reshape((1, BK, BV)))
-        ct.store(go, (bn, c, 0, 0), _scr(gs, SCB).reshape((1, T, BK, BV)))
+        ct.store(go, (bn, cs, 0, 0), _scr(gs, SCB).reshape((1, T, BK, BV)))
     ct.store(dh_out, (bn, 0, 0), dH.reshape((1, BK, BV)))
 
 
 def _grads(k, v, w, f, dy, sc, gi, dq, dk, dv, df, dwo, b, n, bn, jg, Lg, part, S,
-           GK, GF, GS, BK, BV, CKPT, TG, DOT, FAST, KV, DQ, SUB, RAG):
+           GK, GF, GS, BK, BV, CKPT, TG, DOT, FAST, KV, DQ, SUB, RAG, GL):
     """WALK = "chain": the gradients of segment jg that are not on the chain, from its states (sc) and
     the chain's G (gi), in chunks of TG steps; program ``part`` of GS takes chunks part, part + GS, ...
     Per chunk Z is recomputed (one batched product), dX = (1 - f)(1 - Z^2) G, and dk = dX v, dv = k^T dX,
@@ -514,7 +520,8 @@ def _grads(k, v, w, f, dy, sc, gi, dq, dk, dv, df, dwo, b, n, bn, jg, Lg, part, 
     transposed and zero-padded to 64 rows (as ``_walk_chunk``). The segment's dW part goes to
     dwo[bn, jg*GS + part]. With RAG (S not a multiple of the segment / chunk) rows past S are zeroed: a
     chunk longer than the chain's or the recompute's may read scratch rows no launch wrote. With DQ also
-    dq_t = H_t dy_t, H_t = f H_{t-1} + (1 - f) Z (WALK = "store", whose forward writes no dq)."""
+    dq_t = H_t dy_t, H_t = f H_{t-1} + (1 - f) Z (WALK = "store", whose forward writes no dq). GL as
+    ``_chain``."""
     MP = max(64, BV)
     if SUB:
         dwp = ct.zeros((SUB * BV, SUB * BV), dtype=F32)
@@ -525,8 +532,9 @@ def _grads(k, v, w, f, dy, sc, gi, dq, dk, dv, df, dwo, b, n, bn, jg, Lg, part, 
     for cc in range(ct.cdiv(nch - part, GS)):
         c = part + cc * GS
         cg = jg * per + c
-        hraw = ct.load(sc, (bn, c, 0, 0), (1, TG, BK, BV)).reshape((TG, BK, BV))
-        g = ct.load(gi, (bn, c, 0, 0), (1, TG, BK, BV)).reshape((TG, BK, BV)).astype(F32)
+        cs = cg if GL else c
+        hraw = ct.load(sc, (bn, cs, 0, 0), (1, TG, BK, BV)).reshape((TG, BK, BV))
+        g = ct.load(gi, (bn, cs, 0, 0), (1, TG, BK, BV)).reshape((TG, BK, BV)).astype(F32)
         hc = hraw.astype(F32)
         if RAG:
             live = ct.arange(TG, dtype=ct.int32).reshape((TG, 1, 1)) + cg * TG < S
@@ -556,7 +564,7 @@ def _grads(k, v, w, f, dy, sc, gi, dq, dk, dv, df, dwo, b, n, bn, jg, Lg, part, 
                 xb = ct.permute(ct.extract(dxs, (s, 0, 0), (SUB, BK, BV)), (1, 0, 2)).reshape((BK, SUB * BV))
                 dwp = _prod(ha, xb, dwp, DOT, False)
         else:
-            hpt = ct.load(sc, (bn, 0, c, 0), (1, MP, TG, BK), order=(0, 3, 1, 2), padding_mode=ZERO)
+            hpt = ct.load(sc, (bn, 0, cs, 0), (1, MP, TG, BK), order=(0, 3, 1, 2), padding_mode=ZERO)
             hpt = hpt.reshape((MP, TG, BK)).astype(F32)
             if RAG:
                 live_t = ct.arange(TG, dtype=ct.int32).reshape((1, TG, 1)) + cg * TG < S
@@ -583,7 +591,7 @@ def _seg3(q, k, v, W, f, dy, ckpt, h_re, h_ch, h_gr, dz_re, dz_ch, g_ch, g_gr, d
     if role == 0:
         if Lc > 0:
             _chain(q, k, v, w, f, dy, h_ch, dz_ch, dh_in, dh_out, g_ch, b, n, bn, jc, Lc, S,
-                   GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, KV, DZ, SCB)
+                   GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, KV, DZ, SCB, False)
     elif role == 1:
         if Lr > 0:
             _recompute(k, v, w, f, ckpt, h_re, dz_re, b, n, bn, jr, Lr, S, GK, GF, BK, BV, CKPT, TR, DOT, FAST,
@@ -591,7 +599,7 @@ def _seg3(q, k, v, W, f, dy, ckpt, h_re, h_ch, h_gr, dz_re, dz_ch, g_ch, g_gr, d
     else:
         if Lg > 0:
             _grads(k, v, w, f, dy, h_gr, g_gr, dk, dk, dv, df, dwo, b, n, bn, jg, Lg, role - 2, S,
-                   GK, GF, GS, BK, BV, CKPT, TG, DOT, FAST, KV, False, SUB, RAG)
+                   GK, GF, GS, BK, BV, CKPT, TG, DOT, FAST, KV, False, SUB, RAG, False)
 
 
 def schedule3(nseg: int, S: int, ckpt: int) -> list[tuple[int, int, int, int, int, int]]:
@@ -617,22 +625,25 @@ def _fwd_store(k, v, W, f, h0, hs: ct.IndexedWithInt64, dzs: ct.IndexedWithInt64
 
 
 def _chain_all(q, k, v, W, f, dy, hs: ct.IndexedWithInt64, dzs: ct.IndexedWithInt64, dh_in, dh_out,
-               gs: ct.IndexedWithInt64,
-               N: C, GQ: C, GK: C, GW: C, GF: C, BK: C, BV: C, T: C, DOT: C, FAST: CB, KV: CB, DZ: CB, SCB: CB):
-    """WALK = "store", grid B*N: ``_chain`` through all S steps in one program (dz loaded with DZ, else Z
-    recomputed from the stored states), G to gs [B*N, S, BK, BV]."""
+               gs: ct.IndexedWithInt64, jp: int, Lp: int,
+               N: C, GQ: C, GK: C, GW: C, GF: C, BK: C, BV: C, T: C, DOT: C, FAST: CB, KV: CB, DZ: CB, SCB: CB,
+               PL: C):
+    """WALK = "store", grid B*N: ``_chain`` through piece jp (Lp steps from step jp*PL) in one program (dz
+    loaded with DZ, else Z recomputed from the stored states), G to gs [B*N, S, BK, BV]."""
     bn, b, n, S, w = _program(v, W, N, GW, BV)
-    _chain(q, k, v, w, f, dy, hs, dzs, dh_in, dh_out, gs, b, n, bn, 0, S, S,
-           GQ, GK, GF, BK, BV, T, T, DOT, FAST, KV, DZ, SCB)
+    _chain(q, k, v, w, f, dy, hs, dzs, dh_in, dh_out, gs, b, n, bn, jp, Lp, S,
+           GQ, GK, GF, BK, BV, PL, T, DOT, FAST, KV, DZ, SCB, True)
 
 
 def _grads_all(k, v, W, f, dy, hs: ct.IndexedWithInt64, gs: ct.IndexedWithInt64, dq, dk, dv, df, dwo,
-               N: C, GK: C, GW: C, GF: C, GS: C, BK: C, BV: C, TG: C, DOT: C, FAST: CB, KV: CB, SUB: C, RAG: CB):
-    """WALK = "store", grid B*N x GS: ``_grads`` (with dq) over all S steps, program bid(1) taking every
-    GS-th chunk of TG steps; dW parts to dwo [B*N, GS, BV, BV]."""
+               jp: int, Lp: int,
+               N: C, GK: C, GW: C, GF: C, GS: C, BK: C, BV: C, TG: C, DOT: C, FAST: CB, KV: CB, SUB: C, RAG: CB,
+               PL: C):
+    """WALK = "store", grid B*N x GS: ``_grads`` (with dq) over piece jp (as ``_chain_all``), program bid(1)
+    taking every GS-th chunk of TG steps; dW parts to dwo [B*N, PIPE*GS, BV, BV]."""
     bn, b, n, S, w = _program(v, W, N, GW, BV)
-    _grads(k, v, w, f, dy, hs, gs, dq, dk, dv, df, dwo, b, n, bn, 0, S, ct.bid(1), S,
-           GK, GF, GS, BK, BV, TG, TG, DOT, FAST, KV, True, SUB, RAG)
+    _grads(k, v, w, f, dy, hs, gs, dq, dk, dv, df, dwo, b, n, bn, jp, Lp, ct.bid(1), S,
+           GK, GF, GS, BK, BV, PL, TG, DOT, FAST, KV, True, SUB, RAG, True)
 
 
 def schedule(nseg: int, S: int, ckpt: int) -> list[tuple[int, int, int, int]]:
@@ -749,6 +760,8 @@ def _chain_reason(config: dict, shape: dict) -> str | None:
         return "DZ_STORE must be true or false"
     if config["DW"] not in DWS:
         return f"DW={config['DW']!r} must be one of {', '.join(DWS)}"
+    if config["PIPE"] not in PIPES or (walk != "store" and config["PIPE"] != 1):
+        return f"PIPE={config['PIPE']} must be one of {', '.join(map(str, PIPES))}, and 1 unless WALK=store"
     if walk in ("chain", "store") and config["ROLES"] != "split":
         return f"WALK={walk} runs its chain and gradients as separate programs: ROLES must be split"
     if walk not in ("chain", "store") and any(config[k] != NEUTRAL[k] for k in NEUTRAL):
@@ -791,7 +804,17 @@ def _consts(config: dict, shape: dict) -> dict:
             "DOT": dot_mode(config, shape), "FAST": bool(config["FAST_TANH"]),
             "SPLIT": config["ROLES"] == "split", "CHUNKW": config["WALK"] == "chunk", "TG": config["T_G"],
             "GS": config["G_SPLIT"], "DZ": config["DZ_STORE"], "SCB": config["SCRATCH"] == "bfloat16",
-            "SUB": dw_sub(config, shape), "RAG": _ragged(config, shape)}
+            "SUB": dw_sub(config, shape), "RAG": _ragged(config, shape), "PL": piece_len(config, shape)}
+
+
+def piece_len(config: dict, shape: dict) -> int:
+    """WALK = "store": steps per chain / gradient piece, S / PIPE rounded up to a multiple of 16 (of every
+    chunk length), so that pieces start on chunk boundaries; the last piece may be shorter."""
+    return -(-shape["S"] // (16 * config["PIPE"])) * 16
+
+
+def pieces(config: dict, shape: dict) -> int:
+    return -(-shape["S"] // piece_len(config, shape))
 
 
 def dw_sub(config: dict, shape: dict) -> int:
@@ -813,8 +836,9 @@ _CHAIN_CONSTS = ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "CKPT", "T", "TR", "TG
 
 
 _STORE_CONSTS = {"forward": ("N", "GK", "GW", "GF", "BK", "BV", "T_FWD", "HAS_H0", "DOT", "FAST", "KV", "DZ", "SCB"),
-                 "backward": ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "T", "DOT", "FAST", "KV", "DZ", "SCB"),
-                 "gradients": ("N", "GK", "GW", "GF", "GS", "BK", "BV", "TG", "DOT", "FAST", "KV", "SUB", "RAG")}
+                 "backward": ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "T", "DOT", "FAST", "KV", "DZ", "SCB", "PL"),
+                 "gradients": ("N", "GK", "GW", "GF", "GS", "BK", "BV", "TG", "DOT", "FAST", "KV", "SUB", "RAG",
+                               "PL")}
 
 
 def _bwd_consts(config: dict) -> tuple:
@@ -858,7 +882,7 @@ def _dw_dims(config: dict, shape: dict) -> tuple:
     """dW parts of WALK = "chain" / "store": one [BV, BV] per (batch row and head, segment (chain only),
     gradient program)."""
     bv = _block(shape["V"])
-    segs = 1 if config["WALK"] == "store" else _nseg(config, shape)
+    segs = pieces(config, shape) if config["WALK"] == "store" else _nseg(config, shape)
     return shape["B"] * shape["N"], segs * config["G_SPLIT"], bv, bv
 
 
@@ -887,9 +911,9 @@ def _signatures(config: dict, shape: dict):
         big = _array(config["SCRATCH"], _scratch_dims(config, shape), index64=True)
         dzb = _array(config["SCRATCH"], _dz_dims(config, shape), index64=True)
         fwd = [k, v, W, f, _array(dt, (B, N, K, V)), big, dzb] + [c[n] for n in _STORE_CONSTS["forward"]]
-        bwd = [_array(dt, (B, S, shape["Nq"], K)), k, v, W, f, dy, big, dzb, dh, dh, big] + \
+        bwd = [_array(dt, (B, S, shape["Nq"], K)), k, v, W, f, dy, big, dzb, dh, dh, big, i32, i32] + \
             [c[n] for n in _STORE_CONSTS["backward"]]
-        gr = [k, v, W, f, dy, big, big, *grads[:1], *grads, g(*_dw_dims(config, shape))] + \
+        gr = [k, v, W, f, dy, big, big, *grads[:1], *grads, g(*_dw_dims(config, shape)), i32, i32] + \
             [c[n] for n in _STORE_CONSTS["gradients"]]
     cc = CallingConvention.cutile_python_v1()
     sigs = {"forward": KernelSignature(fwd, cc), "backward": KernelSignature(bwd, cc)}
@@ -949,6 +973,10 @@ def build(config: dict, shape: dict):
                         dz=torch.empty(*_dz_dims(config, shape), **scr),
                         g=torch.empty(*_scratch_dims(config, shape), **scr),
                         dwp=torch.empty(*_dw_dims(config, shape), **f32))
+            if pieces(config, shape) > 1:
+                # Highest priority: the chain is the critical path; its CTAs go before waiting gradient CTAs.
+                work.update(chain_stream=torch.cuda.Stream(device=dev, priority=-5),
+                            events=[torch.cuda.Event() for _ in range(pieces(config, shape))])
         elif chain:
             scr = {"dtype": getattr(torch, config["SCRATCH"]), "device": dev}
             work.update(h=[torch.empty(*_scratch_dims(config, shape), **scr) for _ in range(3)],
@@ -1008,17 +1036,29 @@ def build(config: dict, shape: dict):
         return {"grid": list(grid[:2]), "launches": 1 + len(plan)}
 
     def run_store(i, o, stream, h0):
-        """WALK = "store": the storing forward, the chain, the gradients: three launches."""
+        """WALK = "store": the storing forward, then per piece (last first) the chain on a high-priority
+        stream and, once it is done, the piece's gradients on the caller's stream, so that the gradients of
+        piece p run beside the chain of piece p - 1. 1 + 2 * PIPE launches."""
         w = work
         con = {name: [c[n] for n in names] for name, names in _STORE_CONSTS.items()}
         ct.launch(stream, grid_fwd, fwd, (i["k"], i["v"], i["W"], i["f"], h0, w["h"], w["dz"], *con["forward"]))
-        ct.launch(stream, grid_fwd, bwd, (i["q"], i["k"], i["v"], i["W"], i["f"], i["dy"], w["h"], w["dz"],
-                                          w["dh"][0], w["dh"][1], w["g"], *con["backward"]))
-        ct.launch(stream, (B * N, config["G_SPLIT"], 1), kernels["gradients"],
-                  (i["k"], i["v"], i["W"], i["f"], i["dy"], w["h"], w["g"], w["dq"], w["dk"], w["dv"], w["df"],
-                   w["dwp"], *con["gradients"]))
-        finish(o, w["dwp"].sum(1), w["dh"][1])
-        return {"grid": [B * N, config["G_SPLIT"]], "launches": 3}
+        npc, pl = pieces(config, shape), c["PL"]
+        side = w["chain_stream"] if npc > 1 else stream
+        if side is not stream:
+            side.wait_stream(stream)
+        for m in range(npc):
+            p = npc - 1 - m
+            lp = min(pl, S - p * pl)
+            ct.launch(side, grid_fwd, bwd, (i["q"], i["k"], i["v"], i["W"], i["f"], i["dy"], w["h"], w["dz"],
+                                            w["dh"][m % 2], w["dh"][(m + 1) % 2], w["g"], p, lp, *con["backward"]))
+            if side is not stream:
+                w["events"][m].record(side)
+                stream.wait_event(w["events"][m])
+            ct.launch(stream, (B * N, config["G_SPLIT"], 1), kernels["gradients"],
+                      (i["k"], i["v"], i["W"], i["f"], i["dy"], w["h"], w["g"], w["dq"], w["dk"], w["dv"], w["df"],
+                       w["dwp"], p, lp, *con["gradients"]))
+        finish(o, w["dwp"].sum(1), w["dh"][npc % 2])
+        return {"grid": [B * N, config["G_SPLIT"]], "launches": 1 + 2 * npc}
 
     def finish(o, dw, dh0):
         w = work
