@@ -78,6 +78,12 @@ def test_chain_and_store_compile(target):
     assert 0 < got["smem_bytes"] <= _LIMIT[target] and got["registers"] <= 255, got
     # The occupancy hint of 4 CTAs per SM holds the chain kernel to 128 registers or fewer.
     assert got["kernels"]["backward"]["registers"] <= 128, got
+    # The b4_n44 H100 winner of 2026-11-23 (block-diagonal dW, the chain in 8 pieces): the piece length and
+    # the chunk-indexed scratch are compile-time; no spills in the gradient kernel.
+    piped = cfg(WALK="store", DZ_STORE=True, SCRATCH="bfloat16", T=4, T_FWD=8, T_G=4, G_SPLIT=16, DW="diag",
+                PIPE=8, occupancy=6, g_occupancy=2)
+    got = lane.compile_for(piped, _shape("b4_n44"), target)
+    assert 0 < got["smem_bytes"] <= _LIMIT[target] and got["kernels"]["gradients"]["stack_bytes"] == 0, got
 
 
 def test_fast_tanh_is_mufu():

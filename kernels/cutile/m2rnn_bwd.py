@@ -79,14 +79,23 @@ instructions and 2 block barriers per chunk of 2 steps, against 846 and 11 for t
 occupancy 1 (20261123T112817Z-*; the occupancy 2 / 3 seeds and b4_n44 were not reached before the device
 call ended): one kernel for three roles takes the register and shared memory needs of the largest (the
 gradients: 168 registers, 226 KB at occupancy 1), so 672 x 4 programs run in ~20 waves per launch.
-WALK = "store" (``_fwd_store``, ``_chain_all``, ``_grads_all``; 2026-11-23, not yet run on a GPU) drops the
-checkpoints: the forward keeps every state before its step and dz ([B*N, S, BK, BV] each, int64-indexed:
-2.8e9 elements, 5.6 GB in bf16 at b8_n84; dz only with DZ_STORE, else the chain recomputes Z per chunk),
-then one launch walks the whole chain per (batch row, head)
-and one launch of B*N x G_SPLIT programs takes all gradients (dq too, from H_t = f H_{t-1} + (1 - f) Z).
-Three launches, each kernel with its own occupancy hint (fwd_occupancy, occupancy, g_occupancy), no
-launch gaps, and the gradients fully parallel; the cost is the traffic (states, dz and G written and read
-once each: ~34 GB at b8_n84 in bf16).
+WALK = "store" (``_fwd_store``, ``_chain_all``, ``_grads_all``; 2026-11-23) drops the checkpoints: the
+forward keeps every state before its step and dz ([B*N, S, BK, BV] each, int64-indexed: 2.8e9 elements,
+5.6 GB in bf16 at b8_n84; dz only with DZ_STORE, else the chain recomputes Z per chunk), then the chain
+walks per (batch row, head) and B*N x G_SPLIT programs take all gradients (dq too, from
+H_t = f H_{t-1} + (1 - f) Z), each kernel with its own occupancy hint (fwd_occupancy, occupancy,
+g_occupancy). PIPE cuts the chain into pieces, one launch each on a high-priority stream; each piece's
+gradients run on the caller's stream once its chain is done, beside the next piece's chain. The cost is the
+traffic (states, dz and G written and read once each: ~34 GB at b8_n84 in bf16, ~11 ms at 3 TB/s).
+Measured (H100, 2026-11-23, profiles in results/logs/m2rnn-s9-device-{11,16,17}-*, sweeps parity ok):
+  - the first version, one piece and DW = "pad": 30.2 / 9.37 ms at b8_n84 / b4_n44 (20261123T133919Z-*,
+    134237Z-*); at b8_n84 the gradients took 11.2 ms, the forward 6.1 and the chain 12.3 at occupancy 1 (T = 2),
+    4.6 at 6 (T = 4; 672 programs in one wave);
+  - DW = "diag" (block-diagonal dW products, no transposed reload; 1323 against 1774 sm_90a instructions per
+    gradient chunk of 4 steps): gradients 7.65 ms at b8_n84; 18.98 / 6.97 ms (20261123T140039Z-*, 140155Z-*);
+  - PIPE = 8: 18.26 ms at b8_n84 (20261123T141010Z-*; five chain CTAs fill an SM's registers there, so little
+    overlaps) and 5.86 at b4_n44 (20261123T144007Z-*: T = 4, dz stored, T_G = 4, G_SPLIT = 16, occupancy
+    6 / 3 / 2), where 176 chain programs leave most of the GPU to the gradients.
 Steps past a ragged S read zero q / k / v / dy and get f = 1, so they leave dH unchanged and add
 nothing; stores drop rows past S. K and V are padded to powers of two >= 16 (BK, BV): zero-padded
 loads keep padded rows / columns of H and dH at zero.
