@@ -159,9 +159,7 @@ NEUTRAL = {"T_G": 8, "G_SPLIT": 1, "SCRATCH": "float32", "DZ_STORE": False, "DW"
 STORE_CKPT = 64
 DEFAULTS = {"CKPT": 128, "T": 4, "T_FWD": 16, "T_RE": 0, "KV": "outer", "WALK": "chain", "ROLES": "split",
             "T_G": 4, "G_SPLIT": 4, "SCRATCH": "bfloat16", "DZ_STORE": True, "DW": "pad", "PIPE": 1,
-            "DOT": "input",
-            "FAST_TANH": True,
-            "num_worker_warps": 0, "occupancy": 1, "fwd_occupancy": 3, "g_occupancy": 0}
+            "DOT": "input", "FAST_TANH": True, "num_worker_warps": 0, "occupancy": 1, "fwd_occupancy": 3, "g_occupancy": 0}
 TARGETS = tuple(f"sm_{a}a" if a in (90, 100, 103, 110, 120, 121) else f"sm_{a}" for a in ARCHS)
 DTYPES = ("float32", "bfloat16")
 DOTS = ("input", "tf32", "tf32x3", "ieee")
@@ -455,8 +453,8 @@ def _seg(q, k, v, W, f, dy, ckpt, sc_in, sc_out, dh_in, dw_in, dh_out, dw_out, d
          CHUNKW: CB, KV: CB):
     """One segment launch for one (batch row, value head): recompute segment jr (Lr steps, none when
     Lr = 0) into sc_out, and walk segment jw (Lw steps, none when Lw = 0) from sc_in (``_walk_chunk``
-    when CHUNKW, else ``_walk``); the recompute runs in chunks of TR steps, the walk of T. With SPLIT the grid is B*N x 2 and bid(1) picks the role. No array is
-    both read and written here."""
+    when CHUNKW, else ``_walk``); the recompute runs in chunks of TR steps, the walk of T.
+    With SPLIT the grid is B*N x 2 and bid(1) picks the role. No array is both read and written here."""
     bn, b, n, S, w = _program(v, W, N, GW, BV)
     if SPLIT:
         if ct.bid(1) == 0:
@@ -580,7 +578,8 @@ def _grads(k, v, w, f, dy, sc, gi, dq, dk, dv, df, dwo, b, n, bn, jg, Lg, part, 
                 hpt = ct.where(live_t, hpt, 0.0)
             dwp = _prod(hpt.reshape((MP, TG * BK)), dxs.reshape((TG * BK, BV)), dwp, DOT, False)
     if SUB:
-        eye = ct.arange(SUB, dtype=ct.int32).reshape((SUB, 1, 1, 1)) == ct.arange(SUB, dtype=ct.int32).reshape((1, 1, SUB, 1))
+        step = ct.arange(SUB, dtype=ct.int32)
+        eye = step.reshape((SUB, 1, 1, 1)) == step.reshape((1, 1, SUB, 1))
         dw = ct.sum(ct.sum(ct.where(eye, dwp.reshape((SUB, BV, SUB, BV)), 0.0), axis=2), axis=0)
     else:
         dw = ct.extract(dwp, (0, 0), (BV, BV))
