@@ -575,8 +575,7 @@ def _grads(k, v, w, f, dy, sc, gi, dq, dk, dv, df, dwo, b, n, bn, jg, Lg, part, 
             hpt = ct.load(sc, (bn, 0, cs, 0), (1, MP, TG, BK), order=(0, 3, 1, 2), padding_mode=ZERO)
             hpt = hpt.reshape((MP, TG, BK)).astype(F32)
             if RAG:
-                live_t = ct.arange(TG, dtype=ct.int32).reshape((1, TG, 1)) + cg * TG < S
-                hpt = ct.where(live_t, hpt, 0.0)
+                hpt = ct.where(live.reshape((1, TG, 1)), hpt, 0.0)
             dwp = _prod(hpt.reshape((MP, TG * BK)), dxs.reshape((TG * BK, BV)), dwp, DOT, False)
     if SUB:
         step = ct.arange(SUB, dtype=ct.int32)
