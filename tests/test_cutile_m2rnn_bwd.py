@@ -262,7 +262,10 @@ def _emulate(config, shape, inputs):
     nseg = ns["_nseg"]({**D, **config}, shape)
     chain = {**D, **config}["WALK"] == "chain"
     if {**D, **config}["WALK"] == "store":
-        assert launches == ["_fwd_store"] + ["_chain_all", "_grads_all"] * ns["pieces"]({**D, **config}, shape)
+        zs, rows = {**D, **config}["STORE"] == "z", {**D, **config}["C_ROWS"] > 1
+        assert launches == ["_fwd_zs" if zs else "_fwd_store"] + \
+            ["_chain_rows" if rows else "_chain_all", "_grads_zs_all" if zs else "_grads_all"] * \
+            ns["pieces"]({**D, **config}, shape)
     else:
         assert launches == ["_fwd_ckpt"] + (["_seg3"] * (nseg + 2) if chain else ["_seg"] * (nseg + 1))
     assert info["launches"] == len(launches)
@@ -349,16 +352,49 @@ def test_schedule3_runs_each_role_once_per_segment_in_order():
                                           (cfg(WALK="store", DZ_STORE=True, T=4, T_FWD=8, T_G=8, G_SPLIT=2,
                                                DW="diag", PIPE=2), "float32"),
                                           (cfg(WALK="store", T=2, T_FWD=4, T_G=4, G_SPLIT=1, PIPE=4,
-                                               SCRATCH="bfloat16"), "bfloat16")])
+                                               SCRATCH="bfloat16"), "bfloat16"),
+                                          # Z stored, the states rebuilt per gradient range from checkpoints:
+                                          # ranges of 16 steps (PL 32 / 2), of 4 in two pieces (PL 16 / 4),
+                                          # bf16 with one-hot k v^T
+                                          (cfg(WALK="store", STORE="z", T=4, T_FWD=8, T_G=4, G_SPLIT=2,
+                                               DW="diag"), "float32"),
+                                          (cfg(WALK="store", STORE="z", T=2, T_FWD=4, T_G=2, G_SPLIT=4, PIPE=2,
+                                               DW="diag"), "float32"),
+                                          (cfg(WALK="store", STORE="z", T=4, T_FWD=16, T_G=8, G_SPLIT=2, KV="mma",
+                                               DW="diag", SCRATCH="bfloat16"), "bfloat16"),
+                                          # one-hot products in the forward only; the chain over both batch
+                                          # rows of a head in one program (dz stored, or from Z)
+                                          (cfg(WALK="store", DZ_STORE=True, T=4, T_FWD=8, T_G=4, G_SPLIT=2,
+                                               KV="fwd", DW="diag", SCRATCH="bfloat16", PIPE=2), "bfloat16"),
+                                          (cfg(WALK="store", DZ_STORE=True, T=2, T_FWD=4, T_G=4, G_SPLIT=4,
+                                               C_ROWS=2, DW="diag", PIPE=2), "float32"),
+                                          (cfg(WALK="store", STORE="z", T=8, T_FWD=4, T_G=4, G_SPLIT=2, C_ROWS=2,
+                                               KV="fwd", DW="diag", SCRATCH="bfloat16"), "bfloat16")])
 @pytest.mark.parametrize("S", [29, 32])
 def test_kernel_bodies_match_bptt(config, dtype, S, tile_methods):
     # S = 29: ragged (not a multiple of T or CKPT), rows past S masked; S = 32: every chunk full, no mask.
-    # Padded K and V, every head-sharing pattern, h0. fp64 stands in for the kernels' fp32 math (the lane's
-    # buffers are fp32) and bf16 operands (DOT=input) stay bf16-rounded, so the bound differs.
-    shape = {"B": 2, "S": S, "N": 4, "Nq": 1, "Nk": 2, "Nw": 1, "Nf": 4, "K": 20, "V": 12, "h0": True,
-             "dtype": dtype}
     if config["WALK"] in ("chain", "store"):
-        assert lane._ragged({**D, **config}, shape) == (S == 29)
+        assert lane._ragged({**D, **config}, _bodies_shape(S, dtype)) == (S == 29)
+    _check_bodies(config, _bodies_shape(S, dtype))
+
+
+def test_store_z_empty_range(tile_methods):
+    """STORE = z at S = 20: ranges of 8 steps in a piece of 32, so the last gradient program has no steps
+    (its checkpoint index clamped, its dW part zero) and the one before it 4."""
+    config = cfg(WALK="store", STORE="z", T=2, T_FWD=4, T_G=2, G_SPLIT=4, DW="diag")
+    assert lane.piece_len({**D, **config}, _bodies_shape(20, "float32")) == 32
+    _check_bodies(config, _bodies_shape(20, "float32"))
+
+
+def _bodies_shape(S, dtype):
+    # Padded K and V, every head-sharing pattern, h0.
+    return {"B": 2, "S": S, "N": 4, "Nq": 1, "Nk": 2, "Nw": 1, "Nf": 4, "K": 20, "V": 12, "h0": True,
+            "dtype": dtype}
+
+
+def _check_bodies(config, shape):
+    # fp64 stands in for the kernels' fp32 math (the lane's buffers are fp32) and bf16 operands (DOT=input)
+    # stay bf16-rounded, so the bound differs.
     inputs = {n: x.double() for n, x in m2.make_inputs(shape, "cpu", 3, backward=True).items()}
     got = _emulate(config, shape, inputs)
     ref = m2.bptt_backward(inputs, shape, torch.float64)

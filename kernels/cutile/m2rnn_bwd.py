@@ -143,7 +143,7 @@ from lab.problems import _m2rnn as m2
 DSL = "cutile"
 KERNEL = "m2rnn_bwd"
 TUNABLES = ("CKPT", "T", "T_FWD", "T_RE", "KV", "WALK", "ROLES", "T_G", "G_SPLIT", "SCRATCH", "DZ_STORE", "DW",
-            "PIPE", "DOT", "FAST_TANH", "num_worker_warps", "occupancy", "fwd_occupancy", "g_occupancy")
+            "PIPE", "STORE", "C_ROWS", "DOT", "FAST_TANH", "num_worker_warps", "occupancy", "fwd_occupancy", "g_occupancy")
 # Default: WALK = "chain" at CKPT 128, T = 4, bf16 scratch, dz stored, 4 gradient programs per segment, the
 # fastest parity-ok config of the H100 sweep of 2026-11-23 at b2_n8: 3.82 ms (results/h100/m2rnn_bwd/
 # 20261123T111757Z-*), against 5.89 for the chunk walk's best (20261123T031047Z-*). The step walk (WALK =
@@ -159,7 +159,7 @@ NEUTRAL = {"T_G": 8, "G_SPLIT": 1, "SCRATCH": "float32", "DZ_STORE": False, "DW"
 STORE_CKPT = 64
 DEFAULTS = {"CKPT": 128, "T": 4, "T_FWD": 16, "T_RE": 0, "KV": "outer", "WALK": "chain", "ROLES": "split",
             "T_G": 4, "G_SPLIT": 4, "SCRATCH": "bfloat16", "DZ_STORE": True, "DW": "pad", "PIPE": 1,
-            "DOT": "input", "FAST_TANH": True, "num_worker_warps": 0, "occupancy": 1, "fwd_occupancy": 3,
+            "STORE": "h", "C_ROWS": 1, "DOT": "input", "FAST_TANH": True, "num_worker_warps": 0, "occupancy": 1, "fwd_occupancy": 3,
             "g_occupancy": 0}
 TARGETS = tuple(f"sm_{a}a" if a in (90, 100, 103, 110, 120, 121) else f"sm_{a}" for a in ARCHS)
 DTYPES = ("float32", "bfloat16")
@@ -170,8 +170,10 @@ KERNEL_NAMES = ("forward", "backward", "gradients")
 SCRATCHES = ("float32", "bfloat16")
 DWS = ("pad", "diag")
 PIPES = (1, 2, 4, 8, 16, 32)
+STORES = ("h", "z")
+C_ROWS = (1, 2, 4, 8)
 G_SPLITS = (1, 2, 4, 8, 16, 32, 64)
-KVS = ("outer", "mma")
+KVS = ("outer", "mma", "fwd")
 CKPTS = (16, 32, 64, 128, 256)
 CHUNKS = (2, 4, 8, 16)
 MAX_BK, MAX_BV = 64, 32
@@ -482,11 +484,12 @@ def _walk_any(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b
 
 
 def _chain(q, k, v, w, f, dy, sc, dzi, dh_in, dh_out, go, b, n, bn, jc, Lc, S,
-           GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, KV, DZ, SCB, GL):
+           GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, KV, DZ, SCB, GL, ZS):
     """WALK = "chain": only the serial chain of segment jc (Lc steps), per chunk of T from the last
     (GL: the scratch holds every step, indexed by the global chunk; else the segment's alone):
     G = dH + q dy^T, dX = dz G, dH = dX W^T + f G, with dz = (1 - f)(1 - Z^2) loaded from dzi (DZ) or
-    recomputed per chunk from the states in sc (one batched product, off the chain); the chunk's G
+    recomputed per chunk from the states in sc (one batched product, off the chain), or with ZS from the
+    forward's Z that sc then holds (rows past S read as zero: dz = 0 there, f being 1); the chunk's G
     stacked and stored to go. dk, dv, df and dW are left to ``_grads`` in the next launch."""
     wt = ct.transpose(w)
     dH = ct.load(dh_in, (bn, 0, 0), (1, BK, BV)).reshape((BK, BV))
@@ -499,6 +502,9 @@ def _chain(q, k, v, w, f, dy, sc, dzi, dh_in, dh_out, go, b, n, bn, jc, Lc, S,
         ff = _gates(f, b, n // GF, cg, T, S).reshape((T, 1, 1))
         if DZ:
             dz = ct.load(dzi, (bn, cs, 0, 0), (1, T, BK, BV)).reshape((T, BK, BV)).astype(F32)
+        elif ZS:
+            z = ct.load(sc, (bn, cs, 0, 0), (1, T, BK, BV), padding_mode=ZERO).reshape((T, BK, BV)).astype(F32)
+            dz = (1.0 - ff) * (1.0 - z * z)
         else:
             hc = ct.load(sc, (bn, cs, 0, 0), (1, T, BK, BV)).reshape((T, BK, BV)).astype(F32)
             z = _tanh(_prod(hc, w, _outer_stack(k, v, b, n // GK, n, cg, T, BK, BV, KV), DOT, True), FAST)
@@ -556,21 +562,10 @@ def _grads(k, v, w, f, dy, sc, gi, dq, dk, dv, df, dwo, b, n, bn, jg, Lg, part, 
         else:
             kv = kr * vr
         z = _tanh(_prod(hc, w, kv, DOT, True), FAST)
-        dxs = (1.0 - ff) * (1.0 - z * z) * g
-        ct.store(dk, (b, n, cg, 0), ct.sum(dxs * vr, axis=2).reshape((1, 1, TG, BK)), order=(0, 2, 1, 3))
-        ct.store(dv, (b, n, cg, 0), ct.sum(dxs * kr, axis=1).reshape((1, 1, TG, BV)), order=(0, 2, 1, 3))
-        ct.store(df, (b, n, cg), ct.sum(ct.sum(g * (hc - z), axis=2), axis=1).reshape((1, 1, TG)), order=(0, 2, 1))
-        if DQ:
-            hn = ff * hc + (1.0 - ff) * z
-            dyr = _rows(dy, b, n, cg, TG, BV).reshape((TG, 1, BV))
-            ct.store(dq, (b, n, cg, 0), ct.sum(hn * dyr, axis=2).reshape((1, 1, TG, BK)), order=(0, 2, 1, 3))
+        dxs = _grad_sums(hc, z, g, ff, kr, vr, dy, dq, dk, dv, df, b, n, cg, BK, BV, TG, DQ)
         if SUB:
             # bf16 operands straight from a bf16 scratch when no row needs zeroing (no round trip via fp32).
-            hsrc = hraw if DOT == 0 and not RAG else hc
-            for s in ct.static_iter(range(TG // SUB)):
-                ha = ct.permute(ct.extract(hsrc, (s, 0, 0), (SUB, BK, BV)), (0, 2, 1)).reshape((SUB * BV, BK))
-                xb = ct.permute(ct.extract(dxs, (s, 0, 0), (SUB, BK, BV)), (1, 0, 2)).reshape((BK, SUB * BV))
-                dwp = _prod(ha, xb, dwp, DOT, False)
+            dwp = _dw_diag(dwp, hraw if DOT == 0 and not RAG else hc, dxs, BK, BV, TG, DOT, SUB)
         else:
             hpt = ct.load(sc, (bn, 0, cs, 0), (1, MP, TG, BK), order=(0, 3, 1, 2), padding_mode=ZERO)
             hpt = hpt.reshape((MP, TG, BK)).astype(F32)
@@ -578,12 +573,43 @@ def _grads(k, v, w, f, dy, sc, gi, dq, dk, dv, df, dwo, b, n, bn, jg, Lg, part, 
                 hpt = ct.where(live.reshape((1, TG, 1)), hpt, 0.0)
             dwp = _prod(hpt.reshape((MP, TG * BK)), dxs.reshape((TG * BK, BV)), dwp, DOT, False)
     if SUB:
-        step = ct.arange(SUB, dtype=ct.int32)
-        eye = step.reshape((SUB, 1, 1, 1)) == step.reshape((1, 1, SUB, 1))
-        dw = ct.sum(ct.sum(ct.where(eye, dwp.reshape((SUB, BV, SUB, BV)), 0.0), axis=2), axis=0)
+        dw = _dw_fold(dwp, BV, SUB)
     else:
         dw = ct.extract(dwp, (0, 0), (BV, BV))
     ct.store(dwo, (bn, jg * GS + part, 0, 0), dw.reshape((1, 1, BV, BV)))
+
+
+def _grad_sums(hc, z, g, ff, kr, vr, dy, dq, dk, dv, df, b, n, cg, BK, BV, TG, DQ):
+    """Chunk cg's gradients off the chain from its states before each step hc, Z, G (each [TG, BK, BV]),
+    f [TG, 1, 1], k [TG, BK, 1] and v [TG, 1, BV]: dk = dX v, dv = k^T dX, df = sum G (H - Z) and, with DQ,
+    dq = H_t dy_t (H_t = f H_{t-1} + (1 - f) Z), each one batched reduction and one store. Returns dX
+    [TG, BK, BV]."""
+    dxs = (1.0 - ff) * (1.0 - z * z) * g
+    ct.store(dk, (b, n, cg, 0), ct.sum(dxs * vr, axis=2).reshape((1, 1, TG, BK)), order=(0, 2, 1, 3))
+    ct.store(dv, (b, n, cg, 0), ct.sum(dxs * kr, axis=1).reshape((1, 1, TG, BV)), order=(0, 2, 1, 3))
+    ct.store(df, (b, n, cg), ct.sum(ct.sum(g * (hc - z), axis=2), axis=1).reshape((1, 1, TG)), order=(0, 2, 1))
+    if DQ:
+        hn = ff * hc + (1.0 - ff) * z
+        dyr = _rows(dy, b, n, cg, TG, BV).reshape((TG, 1, BV))
+        ct.store(dq, (b, n, cg, 0), ct.sum(hn * dyr, axis=2).reshape((1, 1, TG, BK)), order=(0, 2, 1, 3))
+    return dxs
+
+
+def _dw_diag(dwp, hs, dxs, BK, BV, TG, DOT, SUB):
+    """dwp + per SUB steps of the chunk the [SUB*BV, SUB*BV] product of its states hs (transposed in
+    registers) and dX; its diagonal [BV, BV] blocks are the steps' H_{t-1}^T dX_t (``_dw_fold``)."""
+    for s in ct.static_iter(range(TG // SUB)):
+        ha = ct.permute(ct.extract(hs, (s, 0, 0), (SUB, BK, BV)), (0, 2, 1)).reshape((SUB * BV, BK))
+        xb = ct.permute(ct.extract(dxs, (s, 0, 0), (SUB, BK, BV)), (1, 0, 2)).reshape((BK, SUB * BV))
+        dwp = _prod(ha, xb, dwp, DOT, False)
+    return dwp
+
+
+def _dw_fold(dwp, BV, SUB):
+    """The sum of the diagonal [BV, BV] blocks of ``_dw_diag``'s accumulator."""
+    step = ct.arange(SUB, dtype=ct.int32)
+    eye = step.reshape((SUB, 1, 1, 1)) == step.reshape((1, 1, SUB, 1))
+    return ct.sum(ct.sum(ct.where(eye, dwp.reshape((SUB, BV, SUB, BV)), 0.0), axis=2), axis=0)
 
 
 def _seg3(q, k, v, W, f, dy, ckpt, h_re, h_ch, h_gr, dz_re, dz_ch, g_ch, g_gr, dh_in, dh_out, dk, dv, df, dwo,
@@ -599,7 +625,7 @@ def _seg3(q, k, v, W, f, dy, ckpt, h_re, h_ch, h_gr, dz_re, dz_ch, g_ch, g_gr, d
     if role == 0:
         if Lc > 0:
             _chain(q, k, v, w, f, dy, h_ch, dz_ch, dh_in, dh_out, g_ch, b, n, bn, jc, Lc, S,
-                   GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, KV, DZ, SCB, False)
+                   GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, KV, DZ, SCB, False, False)
     elif role == 1:
         if Lr > 0:
             _recompute(k, v, w, f, ckpt, h_re, dz_re, b, n, bn, jr, Lr, S, GK, GF, BK, BV, CKPT, TR, DOT, FAST,
@@ -635,12 +661,55 @@ def _fwd_store(k, v, W, f, h0, hs: ct.IndexedWithInt64, dzs: ct.IndexedWithInt64
 def _chain_all(q, k, v, W, f, dy, hs: ct.IndexedWithInt64, dzs: ct.IndexedWithInt64, dh_in, dh_out,
                gs: ct.IndexedWithInt64, jp: int, Lp: int,
                N: C, GQ: C, GK: C, GW: C, GF: C, BK: C, BV: C, T: C, DOT: C, FAST: CB, KV: CB, DZ: CB, SCB: CB,
-               PL: C):
+               PL: C, ZS: CB):
     """WALK = "store", grid B*N: ``_chain`` through piece jp (Lp steps from step jp*PL) in one program (dz
-    loaded with DZ, else Z recomputed from the stored states), G to gs [B*N, S, BK, BV]."""
+    loaded with DZ, from the stored Z in hs with ZS, else Z recomputed from the stored states), G to gs
+    [B*N, S, BK, BV]."""
     bn, b, n, S, w = _program(v, W, N, GW, BV)
     _chain(q, k, v, w, f, dy, hs, dzs, dh_in, dh_out, gs, b, n, bn, jp, Lp, S,
-           GQ, GK, GF, BK, BV, PL, T, DOT, FAST, KV, DZ, SCB, True)
+           GQ, GK, GF, BK, BV, PL, T, DOT, FAST, KV, DZ, SCB, True, ZS)
+
+
+def _chain_rows(q, W, f, dy, hs5: ct.IndexedWithInt64, dzs5: ct.IndexedWithInt64, dh_in4, dh_out4,
+                gs5: ct.IndexedWithInt64, jp: int, Lp: int,
+                N: C, GQ: C, GW: C, GF: C, BK: C, BV: C, T: C, DOT: C, SCB: CB, PL: C, ZS: CB, R: C):
+    """WALK = "store" with C_ROWS = R > 1, grid (B/R)*N: the chain of ``_chain_all`` for R batch rows of one
+    head in one program, their states stacked as [R*BK, BV] rows (the rows of a state never mix; the rows
+    share W). dz from dzs5, or from the Z in hs5 with ZS; hs5 / dzs5 / gs5 are the [B, N, S, BK, BV] views
+    of the scratch, dh_* the [B, N, BK, BV] views. Fewer, fuller programs: 672 chain CTAs of b8_n84 fill
+    every SM's registers (256 threads x 40 each, sm_90a AOT) and leave no room for the gradients of the
+    piece before, which is what PIPE overlaps."""
+    bb = ct.bid(0) // N
+    n = ct.bid(0) % N
+    S = dy.shape[1]
+    wt = ct.transpose(_load_w(W, n // GW, BV))
+    dH = ct.load(dh_in4, (bb, n, 0, 0), (R, 1, BK, BV)).reshape((R * BK, BV))
+    nch = ct.cdiv(Lp, T)
+    for cc in range(nch):
+        cg = jp * (PL // T) + nch - 1 - cc
+        fr = ct.load(f, (bb, cg, n // GF), (R, T, 1), padding_mode=ZERO).reshape((R, T)).astype(F32)
+        pos = ct.arange(T, dtype=ct.int32).reshape((1, T)) + cg * T
+        fr = ct.where(pos < S, fr, 1.0).reshape((R, T, 1, 1))
+        if ZS:
+            z = ct.load(hs5, (bb, n, cg, 0, 0), (R, 1, T, BK, BV), padding_mode=ZERO).reshape((R, T, BK, BV))
+            z = z.astype(F32)
+            dz = (1.0 - fr) * (1.0 - z * z)
+        else:
+            dz = ct.load(dzs5, (bb, n, cg, 0, 0), (R, 1, T, BK, BV), padding_mode=ZERO).reshape((R, T, BK, BV))
+            dz = dz.astype(F32)
+        qr = ct.load(q, (bb, cg, n // GQ, 0), (R, T, 1, BK), padding_mode=ZERO).reshape((R, T, BK, 1)).astype(F32)
+        dyr = ct.load(dy, (bb, cg, n, 0), (R, T, 1, BV), padding_mode=ZERO).reshape((R, T, 1, BV)).astype(F32)
+        qdy = qr * dyr
+        gs = ct.zeros((R, T, BK, BV), dtype=F32)
+        for ii in ct.static_iter(range(T)):
+            i = T - 1 - ii
+            G = dH.reshape((R, 1, BK, BV)) + ct.extract(qdy, (0, i, 0, 0), (R, 1, BK, BV))
+            dX = ct.extract(dz, (0, i, 0, 0), (R, 1, BK, BV)) * G
+            fG = ct.extract(fr, (0, i, 0, 0), (R, 1, 1, 1)) * G
+            dH = _prod(dX.reshape((R * BK, BV)), wt, fG.reshape((R * BK, BV)), DOT, True)
+            gs = ct.insert(gs, (0, i, 0, 0), G)
+        ct.store(gs5, (bb, n, cg, 0, 0), _scr(gs, SCB).reshape((R, 1, T, BK, BV)))
+    ct.store(dh_out4, (bb, n, 0, 0), dH.reshape((R, 1, BK, BV)))
 
 
 def _grads_all(k, v, W, f, dy, hs: ct.IndexedWithInt64, gs: ct.IndexedWithInt64, dq, dk, dv, df, dwo,
@@ -652,6 +721,84 @@ def _grads_all(k, v, W, f, dy, hs: ct.IndexedWithInt64, gs: ct.IndexedWithInt64,
     bn, b, n, S, w = _program(v, W, N, GW, BV)
     _grads(k, v, w, f, dy, hs, gs, dq, dk, dv, df, dwo, b, n, bn, jp, Lp, ct.bid(1), S,
            GK, GF, GS, BK, BV, PL, TG, DOT, FAST, KV, True, SUB, RAG, True)
+
+
+def _fwd_zs(k, v, W, f, h0, zs: ct.IndexedWithInt64, ck,
+            N: C, GK: C, GW: C, GF: C, BK: C, BV: C, T: C, HAS_H0: CB, DOT: C, FAST: CB, KV: CB, SCB: CB, CK: C):
+    """WALK = "store", STORE = "z", grid B*N: the forward through all S steps, storing every step's
+    Z = tanh(H_{t-1} W + k v^T) to zs [B*N, S, BK, BV] and the state before every CK-th step, fp32, to
+    ck [B*N, ceil(S/CK), BK, BV] (one gradient program's range each)."""
+    bn, b, n, S, w = _program(v, W, N, GW, BV)
+    h = _initial_state(h0, b, n, BK, BV, HAS_H0)
+    per = CK // T
+    nch = ct.cdiv(S, T)
+    for j in range(ct.cdiv(S, CK)):
+        ct.store(ck, (bn, j, 0, 0), h.reshape((1, 1, BK, BV)))
+        for cc in range(min(per, nch - j * per)):
+            c = j * per + cc
+            kc, vc, off = _pair(k, v, b, n // GK, n, c, T, BK, BV, KV)
+            ff = _gates(f, b, n // GF, c, T, S)
+            zc = ct.zeros((T, BK, BV), dtype=F32)
+            for i in ct.static_iter(range(T)):
+                z, h = _step(h, w, kc, vc, off, ff, i, BK, BV, T, DOT, FAST, KV)
+                zc = ct.insert(zc, (i, 0, 0), z.reshape((1, BK, BV)))
+            ct.store(zs, (bn, c, 0, 0), _scr(zc, SCB).reshape((1, T, BK, BV)))
+
+
+def _grads_zs_all(k, v, f, dy, zs: ct.IndexedWithInt64, gs: ct.IndexedWithInt64, ck, dq, dk, dv, df, dwo,
+                  jp: int, Lp: int,
+                  N: C, GK: C, GF: C, GS: C, BK: C, BV: C, TG: C, DOT: C, SUB: C, PL: C, CK: C):
+    """WALK = "store", STORE = "z", grid B*N x GS: the gradients of piece jp (Lp steps from jp*PL) from the
+    forward's Z and the chain's G. Program part = bid(1) takes the CK contiguous steps of range
+    j = jp*GS + part and rebuilds their states from the range's checkpoint, H_t = f H_{t-1} + (1 - f) Z_t
+    (no product, no tanh). A chunk's tiles are [BK, TG*BV], step t in columns [t*BV, t*BV + BV): tileiras
+    keeps a thread's columns of every step in its registers, so the scan over steps moves no data between
+    threads (with [TG, BK, BV] tiles the steps sat in different warps: 1907 against 1320 sm_90a
+    instructions per chunk of 4 steps, 19 block barriers against 7). Then dk, dv, df, dq as batched
+    reductions and dW as block-diagonal products (``_dw_diag`` on the same columns). Rows past S read as
+    zero (Z = G = 0, f = 1 there: nothing changes, nothing adds)."""
+    bn = ct.bid(0)
+    part = ct.bid(1)
+    n = bn % N
+    b = bn // N
+    S = v.shape[1]
+    j = jp * GS + part
+    h = ct.load(ck, (bn, min(j, ck.shape[1] - 1), 0, 0), (1, 1, BK, BV)).reshape((BK, BV))
+    dwp = ct.zeros((SUB * BV, SUB * BV), dtype=F32)
+    c0 = j * (CK // TG)
+    for cc in range(ct.cdiv(max(min(CK, Lp - part * CK), 0), TG)):
+        cg = c0 + cc
+        z = _wide(zs, bn, cg, TG, BK, BV)
+        g = _wide(gs, bn, cg, TG, BK, BV)
+        fr = _gates(f, b, n // GF, cg, TG, S)
+        hc = ct.zeros((BK, TG * BV), dtype=F32)
+        for i in ct.static_iter(range(TG)):
+            hc = ct.insert(hc, (0, i), h)
+            ft = ct.extract(fr, (0, i), (1, 1))
+            h = ft * h + (1.0 - ft) * ct.extract(z, (0, i), (BK, BV))
+        ff = fr.reshape((1, TG, 1))
+        z3, g3, h3 = z.reshape((BK, TG, BV)), g.reshape((BK, TG, BV)), hc.reshape((BK, TG, BV))
+        dx3 = (1.0 - ff) * (1.0 - z3 * z3) * g3
+        vr = _rows(v, b, n, cg, TG, BV).reshape((1, TG, BV))
+        dyr = _rows(dy, b, n, cg, TG, BV).reshape((1, TG, BV))
+        kc = _cols(k, b, n // GK, cg, TG, BK).reshape((BK, TG, 1))
+        ct.store(dk, (b, n, 0, cg), ct.sum(dx3 * vr, axis=2).reshape((1, 1, BK, TG)), order=(0, 2, 3, 1))
+        ct.store(dv, (b, n, cg, 0), ct.sum(dx3 * kc, axis=0).reshape((1, 1, TG, BV)), order=(0, 2, 1, 3))
+        ct.store(df, (b, n, cg), ct.sum(ct.sum(g3 * (h3 - z3), axis=2), axis=0).reshape((1, 1, TG)), order=(0, 2, 1))
+        hn = ff * h3 + (1.0 - ff) * z3
+        ct.store(dq, (b, n, 0, cg), ct.sum(hn * dyr, axis=2).reshape((1, 1, BK, TG)), order=(0, 2, 3, 1))
+        dx = dx3.reshape((BK, TG * BV))
+        for s in ct.static_iter(range(TG // SUB)):
+            ha = ct.transpose(ct.extract(hc, (0, s), (BK, SUB * BV)))
+            dwp = _prod(ha, ct.extract(dx, (0, s), (BK, SUB * BV)), dwp, DOT, False)
+    ct.store(dwo, (bn, j, 0, 0), _dw_fold(dwp, BV, SUB).reshape((1, 1, BV, BV)))
+
+
+def _wide(x, bn, cg, TG, BK, BV):
+    """Chunk cg (TG steps) of x [B*N, S, BK, BV] as a [BK, TG*BV] fp32 tile, step t in columns
+    [t*BV, t*BV + BV); rows past S zero."""
+    t = ct.load(x, (bn, 0, cg, 0), (1, BK, TG, BV), order=(0, 2, 1, 3), padding_mode=ZERO)
+    return t.reshape((BK, TG * BV)).astype(F32)
 
 
 def schedule(nseg: int, S: int, ckpt: int) -> list[tuple[int, int, int, int]]:
@@ -677,6 +824,10 @@ def _kernels(config: dict) -> dict:
     nww = config["num_worker_warps"] or None
     fns = {"step": (_fwd_ckpt, _seg), "chunk": (_fwd_ckpt, _seg), "chain": (_fwd_ckpt, _seg3),
            "store": (_fwd_store, _chain_all, _grads_all)}[config["WALK"]]
+    if config["STORE"] == "z":
+        fns = (_fwd_zs, _chain_all, _grads_zs_all)
+    if config["C_ROWS"] > 1:
+        fns = (fns[0], _chain_rows, fns[2])
     hints = (config["fwd_occupancy"], config["occupancy"], config["g_occupancy"])
     key = (hints, nww, tuple(fn.__name__ for fn in fns))
     if key not in _KERNELS:
@@ -719,8 +870,10 @@ def config_reason(config: dict, shape: dict) -> str | None:
                 f"T={config['T']} and at most CKPT={config['CKPT']}")
     if config["KV"] not in KVS:
         return f"KV={config['KV']!r} must be one of {', '.join(KVS)}"
-    if config["KV"] == "mma" and shape["dtype"] != "bfloat16":
-        return "KV=mma: the one-hot products need bf16 inputs (exact products)"
+    if config["KV"] != "outer" and shape["dtype"] != "bfloat16":
+        return f"KV={config['KV']}: the one-hot products need bf16 inputs (exact products)"
+    if config["KV"] == "fwd" and config["WALK"] != "store":
+        return "KV=fwd (one-hot products in the forward only) applies to WALK=store"
     if _block(shape["K"]) * _block(shape["V"]) * max(config["T"], _t_re(config)) > 16_384:
         return (f"T={config['T']} stacked states of [{_block(shape['K'])}, {_block(shape['V'])}] exceed 16K fp32 "
                 f"(a CTA's registers)")
@@ -774,6 +927,25 @@ def _chain_reason(config: dict, shape: dict) -> str | None:
         return f"WALK={walk} runs its chain and gradients as separate programs: ROLES must be split"
     if walk not in ("chain", "store") and any(config[k] != NEUTRAL[k] for k in NEUTRAL):
         return f"{', '.join(NEUTRAL)} apply to WALK=chain / store only (WALK={walk!r})"
+    if config["STORE"] not in STORES or (walk != "store" and config["STORE"] != "h"):
+        return f"STORE={config['STORE']!r} must be one of {', '.join(STORES)}, and h unless WALK=store"
+    if config["STORE"] == "z":
+        if config["DZ_STORE"] or config["DW"] != "diag":
+            return "STORE=z: the chain takes dz from the stored Z and dW is block-diagonal: DZ_STORE=false, DW=diag"
+        pl, per = piece_len(config, shape), config["G_SPLIT"] * max(config["T_G"], config["T_FWD"])
+        if pl % per:
+            # Each gradient program takes PL / G_SPLIT contiguous steps from a checkpoint the forward
+            # stores at a chunk boundary.
+            return (f"STORE=z: the piece of {pl} steps (S={shape['S']}, PIPE={config['PIPE']}) must split into "
+                    f"G_SPLIT={config['G_SPLIT']} ranges of whole chunks of T_G={config['T_G']} and "
+                    f"T_FWD={config['T_FWD']}")
+    if config["C_ROWS"] not in C_ROWS or (walk != "store" and config["C_ROWS"] != 1):
+        return f"C_ROWS={config['C_ROWS']} must be one of {', '.join(map(str, C_ROWS))}, and 1 unless WALK=store"
+    if config["C_ROWS"] > 1:
+        if shape["B"] % config["C_ROWS"]:
+            return f"C_ROWS={config['C_ROWS']} batch rows per chain program must divide B={shape['B']}"
+        if not (config["DZ_STORE"] or config["STORE"] == "z") or config["KV"] == "mma":
+            return f"C_ROWS={config['C_ROWS']}: the stacked chain loads dz (DZ_STORE or STORE=z) and takes KV=outer / fwd"
     if walk == "store" and (config["CKPT"], config["T_RE"]) != (STORE_CKPT, 0):
         return f"WALK=store keeps every state (no checkpoints): CKPT must stay {STORE_CKPT} and T_RE 0"
     if config["SCRATCH"] == "bfloat16" and (shape["dtype"] != "bfloat16" or config["DOT"] != "input"):
@@ -809,10 +981,12 @@ def _consts(config: dict, shape: dict) -> dict:
     return {"N": N, "GQ": N // shape["Nq"], "GK": N // shape["Nk"], "GW": N // shape["Nw"], "GF": N // shape["Nf"],
             "BK": _block(shape["K"]), "BV": _block(shape["V"]), "CKPT": config["CKPT"], "T": config["T"],
             "T_FWD": config["T_FWD"], "TR": _t_re(config), "KV": config["KV"] == "mma",
+            "KVF": config["KV"] != "outer",
             "DOT": dot_mode(config, shape), "FAST": bool(config["FAST_TANH"]),
             "SPLIT": config["ROLES"] == "split", "CHUNKW": config["WALK"] == "chunk", "TG": config["T_G"],
             "GS": config["G_SPLIT"], "DZ": config["DZ_STORE"], "SCB": config["SCRATCH"] == "bfloat16",
-            "SUB": dw_sub(config, shape), "RAG": _ragged(config, shape), "PL": piece_len(config, shape)}
+            "SUB": dw_sub(config, shape), "RAG": _ragged(config, shape), "PL": piece_len(config, shape),
+            "ZS": config["STORE"] == "z", "CK": piece_len(config, shape) // config["G_SPLIT"], "R": config["C_ROWS"]}
 
 
 def piece_len(config: dict, shape: dict) -> int:
@@ -843,10 +1017,32 @@ _CHAIN_CONSTS = ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "CKPT", "T", "TR", "TG
                  "SCB", "SUB", "RAG")
 
 
-_STORE_CONSTS = {"forward": ("N", "GK", "GW", "GF", "BK", "BV", "T_FWD", "HAS_H0", "DOT", "FAST", "KV", "DZ", "SCB"),
-                 "backward": ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "T", "DOT", "FAST", "KV", "DZ", "SCB", "PL"),
+# KVF: the forward's KV (KV = "fwd": one-hot products there, broadcast ones in the chain and the gradients).
+_STORE_CONSTS = {"forward": ("N", "GK", "GW", "GF", "BK", "BV", "T_FWD", "HAS_H0", "DOT", "FAST", "KVF", "DZ", "SCB"),
+                 "backward": ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "T", "DOT", "FAST", "KV", "DZ", "SCB", "PL",
+                              "ZS"),
                  "gradients": ("N", "GK", "GW", "GF", "GS", "BK", "BV", "TG", "DOT", "FAST", "KV", "SUB", "RAG",
                                "PL")}
+# STORE = "z": the forward stores Z and range checkpoints, the gradients rebuild the states (no W there).
+_ZS_CONSTS = {"forward": ("N", "GK", "GW", "GF", "BK", "BV", "T_FWD", "HAS_H0", "DOT", "FAST", "KVF", "SCB", "CK"),
+              "gradients": ("N", "GK", "GF", "GS", "BK", "BV", "TG", "DOT", "SUB", "PL", "CK")}
+
+
+_ROWS_CONSTS = ("N", "GQ", "GW", "GF", "BK", "BV", "T", "DOT", "SCB", "PL", "ZS", "R")
+
+
+def _store_consts(config: dict) -> dict:
+    """The compile-time arguments of the WALK = "store" kernels, by kernel name."""
+    out = {**_STORE_CONSTS, **_ZS_CONSTS} if config["STORE"] == "z" else dict(_STORE_CONSTS)
+    if config["C_ROWS"] > 1:
+        out["backward"] = _ROWS_CONSTS
+    return out
+
+
+def _ck_dims(config: dict, shape: dict) -> tuple:
+    """STORE = "z": the range checkpoints [B*N, ceil(S/CK), BK, BV] (fp32), CK = PL / G_SPLIT steps."""
+    ck = piece_len(config, shape) // config["G_SPLIT"]
+    return shape["B"] * shape["N"], -(-shape["S"] // ck), _block(shape["K"]), _block(shape["V"])
 
 
 def _bwd_consts(config: dict) -> tuple:
@@ -918,11 +1114,23 @@ def _signatures(config: dict, shape: dict):
     if config["WALK"] == "store":
         big = _array(config["SCRATCH"], _scratch_dims(config, shape), index64=True)
         dzb = _array(config["SCRATCH"], _dz_dims(config, shape), index64=True)
-        fwd = [k, v, W, f, _array(dt, (B, N, K, V)), big, dzb] + [c[n] for n in _STORE_CONSTS["forward"]]
-        bwd = [_array(dt, (B, S, shape["Nq"], K)), k, v, W, f, dy, big, dzb, dh, dh, big, i32, i32] + \
-            [c[n] for n in _STORE_CONSTS["backward"]]
-        gr = [k, v, W, f, dy, big, big, *grads[:1], *grads, g(*_dw_dims(config, shape)), i32, i32] + \
-            [c[n] for n in _STORE_CONSTS["gradients"]]
+        con = {name: [c[n] for n in names] for name, names in _store_consts(config).items()}
+        bwd = [_array(dt, (B, S, shape["Nq"], K)), k, v, W, f, dy, big, dzb, dh, dh, big, i32, i32] + con["backward"]
+        if config["C_ROWS"] > 1:
+            five = lambda d: _array(config["SCRATCH"], (B, N, *d[1:]) if d[0] == B * N else (1, *d), True)  # noqa: E731
+            dh4 = g(B, N, bk, bv)
+            bwd = [_array(dt, (B, S, shape["Nq"], K)), W, f, dy, five(_scratch_dims(config, shape)),
+                   five(_dz_dims(config, shape)), dh4, dh4, five(_scratch_dims(config, shape)), i32, i32] + \
+                con["backward"]
+        if config["STORE"] == "z":
+            ckz = g(*_ck_dims(config, shape))
+            fwd = [k, v, W, f, _array(dt, (B, N, K, V)), big, ckz] + con["forward"]
+            gr = [k, v, f, dy, big, big, ckz, *grads[:1], *grads, g(*_dw_dims(config, shape)), i32, i32] + \
+                con["gradients"]
+        else:
+            fwd = [k, v, W, f, _array(dt, (B, N, K, V)), big, dzb] + con["forward"]
+            gr = [k, v, W, f, dy, big, big, *grads[:1], *grads, g(*_dw_dims(config, shape)), i32, i32] + \
+                con["gradients"]
     cc = CallingConvention.cutile_python_v1()
     sigs = {"forward": KernelSignature(fwd, cc), "backward": KernelSignature(bwd, cc)}
     if config["WALK"] == "store":
@@ -981,6 +1189,8 @@ def build(config: dict, shape: dict):
                         dz=torch.empty(*_dz_dims(config, shape), **scr),
                         g=torch.empty(*_scratch_dims(config, shape), **scr),
                         dwp=torch.empty(*_dw_dims(config, shape), **f32))
+            if config["STORE"] == "z":
+                work.update(ckz=torch.empty(*_ck_dims(config, shape), **f32))
             if pieces(config, shape) > 1:
                 # Highest priority: the chain is the critical path; its CTAs go before waiting gradient CTAs.
                 work.update(chain_stream=torch.cuda.Stream(device=dev, priority=-5),
@@ -1048,23 +1258,36 @@ def build(config: dict, shape: dict):
         stream and, once it is done, the piece's gradients on the caller's stream, so that the gradients of
         piece p run beside the chain of piece p - 1. 1 + 2 * PIPE launches."""
         w = work
-        con = {name: [c[n] for n in names] for name, names in _STORE_CONSTS.items()}
-        ct.launch(stream, grid_fwd, fwd, (i["k"], i["v"], i["W"], i["f"], h0, w["h"], w["dz"], *con["forward"]))
+        con = {name: [c[n] for n in names] for name, names in _store_consts(config).items()}
+        zs = config["STORE"] == "z"
+        ct.launch(stream, grid_fwd, fwd, (i["k"], i["v"], i["W"], i["f"], h0, w["h"], w["ckz"] if zs else w["dz"],
+                                          *con["forward"]))
         npc, pl = pieces(config, shape), c["PL"]
         side = w["chain_stream"] if npc > 1 else stream
         if side is not stream:
             side.wait_stream(stream)
+        rows = config["C_ROWS"]
         for m in range(npc):
             p = npc - 1 - m
             lp = min(pl, S - p * pl)
-            ct.launch(side, grid_fwd, bwd, (i["q"], i["k"], i["v"], i["W"], i["f"], i["dy"], w["h"], w["dz"],
-                                            w["dh"][m % 2], w["dh"][(m + 1) % 2], w["g"], p, lp, *con["backward"]))
+            if rows > 1:
+                five = lambda x: x.view(B, N, *x.shape[1:]) if x.shape[0] == B * N else x.view(1, *x.shape)  # noqa: E731
+                ct.launch(side, (B // rows * N, 1, 1), bwd,
+                          (i["q"], i["W"], i["f"], i["dy"], five(w["h"]), five(w["dz"]), five(w["dh"][m % 2]),
+                           five(w["dh"][(m + 1) % 2]), five(w["g"]), p, lp, *con["backward"]))
+            else:
+                ct.launch(side, grid_fwd, bwd, (i["q"], i["k"], i["v"], i["W"], i["f"], i["dy"], w["h"], w["dz"],
+                                                w["dh"][m % 2], w["dh"][(m + 1) % 2], w["g"], p, lp,
+                                                *con["backward"]))
             if side is not stream:
                 w["events"][m].record(side)
                 stream.wait_event(w["events"][m])
-            ct.launch(stream, (B * N, config["G_SPLIT"], 1), kernels["gradients"],
-                      (i["k"], i["v"], i["W"], i["f"], i["dy"], w["h"], w["g"], w["dq"], w["dk"], w["dv"], w["df"],
-                       w["dwp"], p, lp, *con["gradients"]))
+            sums = (w["dq"], w["dk"], w["dv"], w["df"], w["dwp"], p, lp, *con["gradients"])
+            if zs:
+                gargs = (i["k"], i["v"], i["f"], i["dy"], w["h"], w["g"], w["ckz"], *sums)
+            else:
+                gargs = (i["k"], i["v"], i["W"], i["f"], i["dy"], w["h"], w["g"], *sums)
+            ct.launch(stream, (B * N, config["G_SPLIT"], 1), kernels["gradients"], gargs)
         finish(o, w["dwp"].sum(1), w["dh"][npc % 2])
         return {"grid": [B * N, config["G_SPLIT"]], "launches": 1 + 2 * npc}
 
