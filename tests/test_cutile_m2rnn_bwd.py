@@ -84,6 +84,13 @@ def test_chain_and_store_compile(target):
                 PIPE=8, occupancy=6, g_occupancy=2)
     got = lane.compile_for(piped, _shape("b4_n44"), target)
     assert 0 < got["smem_bytes"] <= _LIMIT[target] and got["kernels"]["gradients"]["stack_bytes"] == 0, got
+    # The kernels of 2026-11-23 (evening): Z stored (the gradients rebuild the states from range checkpoints),
+    # the chain over two batch rows per program, one-hot products in the forward only.
+    for store in ("z", "h"):
+        rows = cfg(WALK="store", STORE=store, DZ_STORE=store == "h", SCRATCH="bfloat16", T=2, T_FWD=8, T_G=4,
+                   G_SPLIT=16, DW="diag", PIPE=8, KV="fwd", C_ROWS=2, occupancy=4, fwd_occupancy=2, g_occupancy=2)
+        got = lane.compile_for(rows, _shape("b8_n84"), target)
+        assert 0 < got["smem_bytes"] <= _LIMIT[target] and got["kernels"]["backward"]["stack_bytes"] == 0, got
 
 
 def test_fast_tanh_is_mufu():
@@ -153,6 +160,22 @@ def test_config_rules():
         assert lane.config_reason(D, _shape(name)) is None, name
         for parity in PROBLEM.parity_shapes(_shape(name)):
             assert lane.config_reason(D, parity) is None, name
+    # The store walk's knobs of 2026-11-23 (evening).
+    store = cfg(WALK="store", DZ_STORE=True, DW="diag", T_G=4, G_SPLIT=16, PIPE=8)
+    assert lane.config_reason(store, _shape("b8_n84")) is None
+    assert "KV=fwd" in lane.config_reason(cfg(KV="fwd"), shape)
+    assert "bf16" in lane.config_reason({**store, "KV": "fwd"}, {**shape, "dtype": "float32"})
+    assert "C_ROWS" in lane.config_reason(cfg(C_ROWS=2), shape)
+    assert "divide B" in lane.config_reason({**store, "C_ROWS": 4}, shape)          # B = 2
+    assert "C_ROWS=2" in lane.config_reason({**store, "C_ROWS": 2, "DZ_STORE": False}, shape)
+    assert "C_ROWS=2" in lane.config_reason({**store, "C_ROWS": 2, "KV": "mma"}, shape)
+    assert lane.config_reason({**store, "C_ROWS": 2}, shape) is None
+    assert "STORE" in lane.config_reason(cfg(STORE="z"), shape)
+    assert "DZ_STORE=false" in lane.config_reason({**store, "STORE": "z"}, shape)
+    zs = {**store, "STORE": "z", "DZ_STORE": False}
+    assert lane.config_reason(zs, shape) is None
+    # 512-step pieces in 64 ranges of 8 steps: chunks of 16 steps do not fit a range.
+    assert "whole chunks" in lane.config_reason({**zs, "T_G": 16, "G_SPLIT": 64}, _shape("b8_n84"))
 
 
 def test_target_rules():

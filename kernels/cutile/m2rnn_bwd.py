@@ -96,6 +96,20 @@ Measured (H100, 2026-11-23, profiles in results/logs/m2rnn-s9-device-{11,16,17}-
   - PIPE = 8: 18.26 ms at b8_n84 (20261123T141010Z-*; five chain CTAs fill an SM's registers there, so little
     overlaps) and 5.86 at b4_n44 (20261123T144007Z-*: T = 4, dz stored, T_G = 4, G_SPLIT = 16, occupancy
     6 / 3 / 2), where 176 chain programs leave most of the GPU to the gradients.
+Three more store-walk knobs (2026-11-23, evening; H100 sweeps parity ok, rel L2 <= 0.0029; profiles in
+results/logs/m2rnn-s10-device-7-*), none faster at b8_n84 than the 18.26 ms above:
+  - KV = "fwd": one-hot k v^T in the storing forward only. The forward (dz stored, T_FWD 8, fwd_occupancy 2)
+    took 7.6 ms against 6.1 with broadcast products at occupancy 3; 19.1-20.0 ms in all
+    (20261123T164336Z-*). At ragged_h0 it gave 1.097 ms against 1.516 (20261123T165111Z-*).
+  - C_ROWS (``_chain_rows``): R batch rows of a head per chain program, stacked [R*BK, BV], so that fewer
+    chain CTAs leave registers to the gradients of the piece before. The chain itself got slower (6.2 ms
+    at R = 2 against 4.9, 9.6 at R = 4 with PIPE 1); best 19.1 ms at R = 2.
+  - STORE = "z" (``_fwd_zs``, ``_grads_zs_all``): the forward keeps Z (half the writes of states + dz) and
+    one fp32 checkpoint per gradient range; each gradient program rebuilds its range's states,
+    H_t = f H_{t-1} + (1 - f) Z_t. That serial scan over the steps of a chunk moves data between threads
+    in tileiras' layouts (sm_90a AOT: 1907 instructions and 19 block barriers per chunk of 4 steps with
+    [T, BK, BV] tiles, 1710 and 16 with the [BK, T*BV] tiles kept here, against 1320 and 7 for the
+    stored states): gradients 17.9 ms against 7.5-11 ms, 25.0 ms in all.
 Steps past a ragged S read zero q / k / v / dy and get f = 1, so they leave dH unchanged and add
 nothing; stores drop rows past S. K and V are padded to powers of two >= 16 (BK, BV): zero-padded
 loads keep padded rows / columns of H and dH at zero.
@@ -117,6 +131,9 @@ occupancy hints. Tunables:
                     transposed, padded to 64 rows) or "diag" (block-diagonal product of the chunk's tiles)
   PIPE              WALK = store: pieces of the chain, each one launch, whose gradients run beside the
                     next piece's chain (two streams)
+  STORE             WALK = store: what the forward keeps per step, the state ("h") or Z ("z", with
+                    range checkpoints; G_SPLIT programs then take contiguous ranges)
+  C_ROWS            WALK = store: batch rows per chain program
   g_occupancy       WALK = store: the gradient kernel's CTAs-per-SM hint
   DOT               operands of the products for bf16 inputs: input (bf16, upstream's choice), tf32,
                     tf32x3 (hi/lo split, ~fp32), ieee (fp32 mma); fp32 inputs always use ieee
@@ -143,7 +160,8 @@ from lab.problems import _m2rnn as m2
 DSL = "cutile"
 KERNEL = "m2rnn_bwd"
 TUNABLES = ("CKPT", "T", "T_FWD", "T_RE", "KV", "WALK", "ROLES", "T_G", "G_SPLIT", "SCRATCH", "DZ_STORE", "DW",
-            "PIPE", "STORE", "C_ROWS", "DOT", "FAST_TANH", "num_worker_warps", "occupancy", "fwd_occupancy", "g_occupancy")
+            "PIPE", "STORE", "C_ROWS", "DOT", "FAST_TANH", "num_worker_warps", "occupancy", "fwd_occupancy",
+            "g_occupancy")
 # Default: WALK = "chain" at CKPT 128, T = 4, bf16 scratch, dz stored, 4 gradient programs per segment, the
 # fastest parity-ok config of the H100 sweep of 2026-11-23 at b2_n8: 3.82 ms (results/h100/m2rnn_bwd/
 # 20261123T111757Z-*), against 5.89 for the chunk walk's best (20261123T031047Z-*). The step walk (WALK =
@@ -159,7 +177,8 @@ NEUTRAL = {"T_G": 8, "G_SPLIT": 1, "SCRATCH": "float32", "DZ_STORE": False, "DW"
 STORE_CKPT = 64
 DEFAULTS = {"CKPT": 128, "T": 4, "T_FWD": 16, "T_RE": 0, "KV": "outer", "WALK": "chain", "ROLES": "split",
             "T_G": 4, "G_SPLIT": 4, "SCRATCH": "bfloat16", "DZ_STORE": True, "DW": "pad", "PIPE": 1,
-            "STORE": "h", "C_ROWS": 1, "DOT": "input", "FAST_TANH": True, "num_worker_warps": 0, "occupancy": 1, "fwd_occupancy": 3,
+            "STORE": "h", "C_ROWS": 1, "DOT": "input", "FAST_TANH": True, "num_worker_warps": 0, "occupancy": 1,
+            "fwd_occupancy": 3,
             "g_occupancy": 0}
 TARGETS = tuple(f"sm_{a}a" if a in (90, 100, 103, 110, 120, 121) else f"sm_{a}" for a in ARCHS)
 DTYPES = ("float32", "bfloat16")
@@ -945,7 +964,8 @@ def _chain_reason(config: dict, shape: dict) -> str | None:
         if shape["B"] % config["C_ROWS"]:
             return f"C_ROWS={config['C_ROWS']} batch rows per chain program must divide B={shape['B']}"
         if not (config["DZ_STORE"] or config["STORE"] == "z") or config["KV"] == "mma":
-            return f"C_ROWS={config['C_ROWS']}: the stacked chain loads dz (DZ_STORE or STORE=z) and takes KV=outer / fwd"
+            return (f"C_ROWS={config['C_ROWS']}: the stacked chain loads dz (DZ_STORE or STORE=z) and takes "
+                    f"KV=outer / fwd")
     if walk == "store" and (config["CKPT"], config["T_RE"]) != (STORE_CKPT, 0):
         return f"WALK=store keeps every state (no checkpoints): CKPT must stay {STORE_CKPT} and T_RE 0"
     if config["SCRATCH"] == "bfloat16" and (shape["dtype"] != "bfloat16" or config["DOT"] != "input"):
@@ -1271,7 +1291,8 @@ def build(config: dict, shape: dict):
             p = npc - 1 - m
             lp = min(pl, S - p * pl)
             if rows > 1:
-                five = lambda x: x.view(B, N, *x.shape[1:]) if x.shape[0] == B * N else x.view(1, *x.shape)  # noqa: E731
+                def five(x):
+                    return x.view(B, N, *x.shape[1:]) if x.shape[0] == B * N else x.view(1, *x.shape)
                 ct.launch(side, (B // rows * N, 1, 1), bwd,
                           (i["q"], i["W"], i["f"], i["dy"], five(w["h"]), five(w["dz"]), five(w["dh"][m % 2]),
                            five(w["dh"][(m + 1) % 2]), five(w["g"]), p, lp, *con["backward"]))
