@@ -302,6 +302,18 @@ def _initial_state(h0, b, n, BK, BV, HAS_H0):
     return ct.zeros((BK, BV), dtype=F32)
 
 
+def _fwd_chunk(h, w, k, v, f, b, n, c, S, GK, GF, BK, BV, T, DOT, FAST, KV, KEEP_Z):
+    """Chunk c (T steps) of the forward from the state h before it: (the chunk's Z with KEEP_Z, else its
+    states after each step, stacked [T, BK, BV]; the state after the chunk)."""
+    kc, vc, off = _pair(k, v, b, n // GK, n, c, T, BK, BV, KV)
+    ff = _gates(f, b, n // GF, c, T, S)
+    out = ct.zeros((T, BK, BV), dtype=F32)
+    for i in ct.static_iter(range(T)):
+        z, h = _step(h, w, kc, vc, off, ff, i, BK, BV, T, DOT, FAST, KV)
+        out = ct.insert(out, (i, 0, 0), (z if KEEP_Z else h).reshape((1, BK, BV)))
+    return out, h
+
+
 def _fwd_ckpt(k, v, W, f, dy, h0, ckpt, dq,
               N: C, GK: C, GW: C, GF: C, BK: C, BV: C, CKPT: C, T: C, HAS_H0: CB, DOT: C, FAST: CB, KV: CB):
     """Grid B*N. States H_{j*CKPT - 1} into ckpt [B*N, NSEG, BK, BV]; dq_t = H_t dy_t (per value head)
@@ -314,12 +326,7 @@ def _fwd_ckpt(k, v, W, f, dy, h0, ckpt, dq,
         ct.store(ckpt, (bn, j, 0, 0), h.reshape((1, 1, BK, BV)))
         for cc in range(min(per, nch - j * per)):
             c = j * per + cc
-            kc, vc, off = _pair(k, v, b, n // GK, n, c, T, BK, BV, KV)
-            ff = _gates(f, b, n // GF, c, T, S)
-            hs = ct.zeros((T, BK, BV), dtype=F32)
-            for i in ct.static_iter(range(T)):
-                z, h = _step(h, w, kc, vc, off, ff, i, BK, BV, T, DOT, FAST, KV)
-                hs = ct.insert(hs, (i, 0, 0), h.reshape((1, BK, BV)))
+            hs, h = _fwd_chunk(h, w, k, v, f, b, n, c, S, GK, GF, BK, BV, T, DOT, FAST, KV, False)
             dqc = ct.sum(hs * _rows(dy, b, n, c, T, BV).reshape((T, 1, BV)), axis=2)        # [T, BK]
             ct.store(dq, (b, n, c, 0), dqc.reshape((1, 1, T, BK)), order=(0, 2, 1, 3))
 
@@ -755,12 +762,7 @@ def _fwd_zs(k, v, W, f, h0, zs: ct.IndexedWithInt64, ck,
         ct.store(ck, (bn, j, 0, 0), h.reshape((1, 1, BK, BV)))
         for cc in range(min(per, nch - j * per)):
             c = j * per + cc
-            kc, vc, off = _pair(k, v, b, n // GK, n, c, T, BK, BV, KV)
-            ff = _gates(f, b, n // GF, c, T, S)
-            zc = ct.zeros((T, BK, BV), dtype=F32)
-            for i in ct.static_iter(range(T)):
-                z, h = _step(h, w, kc, vc, off, ff, i, BK, BV, T, DOT, FAST, KV)
-                zc = ct.insert(zc, (i, 0, 0), z.reshape((1, BK, BV)))
+            zc, h = _fwd_chunk(h, w, k, v, f, b, n, c, S, GK, GF, BK, BV, T, DOT, FAST, KV, True)
             ct.store(zs, (bn, c, 0, 0), _scr(zc, SCB).reshape((1, T, BK, BV)))
 
 
