@@ -1008,7 +1008,7 @@ def _consts(config: dict, shape: dict) -> dict:
             "SPLIT": config["ROLES"] == "split", "CHUNKW": config["WALK"] == "chunk", "TG": config["T_G"],
             "GS": config["G_SPLIT"], "DZ": config["DZ_STORE"], "SCB": config["SCRATCH"] == "bfloat16",
             "SUB": dw_sub(config, shape), "RAG": _ragged(config, shape), "PL": piece_len(config, shape),
-            "ZS": config["STORE"] == "z", "CK": piece_len(config, shape) // config["G_SPLIT"], "R": config["C_ROWS"]}
+            "ZS": config["STORE"] == "z", "CK": range_len(config, shape), "R": config["C_ROWS"]}
 
 
 def piece_len(config: dict, shape: dict) -> int:
@@ -1061,10 +1061,14 @@ def _store_consts(config: dict) -> dict:
     return out
 
 
+def range_len(config: dict, shape: dict) -> int:
+    """STORE = "z": steps per gradient program (CK), PL / G_SPLIT; the forward checkpoints every CK steps."""
+    return piece_len(config, shape) // config["G_SPLIT"]
+
+
 def _ck_dims(config: dict, shape: dict) -> tuple:
-    """STORE = "z": the range checkpoints [B*N, ceil(S/CK), BK, BV] (fp32), CK = PL / G_SPLIT steps."""
-    ck = piece_len(config, shape) // config["G_SPLIT"]
-    return shape["B"] * shape["N"], -(-shape["S"] // ck), _block(shape["K"]), _block(shape["V"])
+    """STORE = "z": the range checkpoints [B*N, ceil(S/CK), BK, BV] (fp32)."""
+    return shape["B"] * shape["N"], -(-shape["S"] // range_len(config, shape)), _block(shape["K"]), _block(shape["V"])
 
 
 def _bwd_consts(config: dict) -> tuple:
@@ -1289,12 +1293,14 @@ def build(config: dict, shape: dict):
         if side is not stream:
             side.wait_stream(stream)
         rows = config["C_ROWS"]
+
+        def five(x):
+            """The [B, N, ...] view of a [B*N, ...] buffer (C_ROWS > 1); a placeholder gets a leading 1."""
+            return x.view(B, N, *x.shape[1:]) if x.shape[0] == B * N else x.view(1, *x.shape)
         for m in range(npc):
             p = npc - 1 - m
             lp = min(pl, S - p * pl)
             if rows > 1:
-                def five(x):
-                    return x.view(B, N, *x.shape[1:]) if x.shape[0] == B * N else x.view(1, *x.shape)
                 ct.launch(side, (B // rows * N, 1, 1), bwd,
                           (i["q"], i["W"], i["f"], i["dy"], five(w["h"]), five(w["dz"]), five(w["dh"][m % 2]),
                            five(w["dh"][(m + 1) % 2]), five(w["g"]), p, lp, *con["backward"]))
