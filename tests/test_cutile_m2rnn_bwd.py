@@ -113,6 +113,35 @@ def test_fast_tanh_is_mufu():
     assert counts[True] > 0 and counts[False] == 0, counts
 
 
+def test_step_mma_batched_is_mma_sync():
+    """STEP_MMA is real: at the b8_n84 H100 best of 2026-11-23 (WALK = store) the storing forward and the
+    chain hold warpgroup wgmmas (HGMMA) with 2-D serial products and only warp-level HMMA when batched;
+    the gradient kernel, whose products are not serial, is the same cubin either way."""
+    import subprocess
+    import triton
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        pytest.skip("no cuobjdump in the Triton wheel to read the SASS")
+    best = {**D, "CKPT": 64, "T": 2, "T_FWD": 8, "WALK": "store", "T_G": 4, "G_SPLIT": 16, "DZ_STORE": False,
+            "DW": "diag", "PIPE": 8, "occupancy": 6, "fwd_occupancy": 3, "g_occupancy": 2}
+    sass = {}
+    for mode in lane.STEP_MMAS:
+        cubins = lane.compile_cubins({**best, "STEP_MMA": mode}, _shape("b8_n84"), "sm_90a",
+                                     which=("forward", "backward", "gradients"))
+        for name, cubin in cubins.items():
+            path = Path(f"/tmp/_cutile_m2rnn_bwd_{os.getpid()}_{mode}_{name}.cubin")
+            path.write_bytes(cubin)
+            try:
+                sass[mode, name] = subprocess.run([str(tool), "-sass", str(path)], capture_output=True, text=True,
+                                                  check=True).stdout
+            finally:
+                path.unlink()
+    for name in ("forward", "backward"):
+        assert "HGMMA" in sass["2d", name] and "HGMMA" not in sass["batched", name], name
+        assert "HMMA" in sass["batched", name], name
+    assert sass["2d", "gradients"].count("HGMMA") == sass["batched", "gradients"].count("HGMMA") > 0
+
+
 # ---- rules --------------------------------------------------------------------------------------
 
 def test_config_rules():
@@ -128,6 +157,7 @@ def test_config_rules():
     assert "stacked" in lane.config_reason(cfg(T=16, CKPT=16), {**shape, "V": 32})
     assert "fwd_occupancy" in lane.config_reason(cfg(fwd_occupancy=33), shape)
     assert "DOT" in lane.config_reason(cfg(DOT="fp8"), shape)
+    assert "STEP_MMA" in lane.config_reason(cfg(STEP_MMA="3d"), shape)
     assert "FAST_TANH" in lane.config_reason(cfg(FAST_TANH=1), shape)
     assert "num_worker_warps" in lane.config_reason(cfg(num_worker_warps=3), shape)
     assert "T_RE" in lane.config_reason(cfg(T_RE=32, CKPT=16), shape)
@@ -392,7 +422,14 @@ def test_schedule3_runs_each_role_once_per_segment_in_order():
                                           (cfg(WALK="store", DZ_STORE=True, T=2, T_FWD=4, T_G=4, G_SPLIT=4,
                                                C_ROWS=2, DW="diag", PIPE=2), "float32"),
                                           (cfg(WALK="store", STORE="z", T=8, T_FWD=4, T_G=4, G_SPLIT=2, C_ROWS=2,
-                                               KV="fwd", DW="diag", SCRATCH="bfloat16"), "bfloat16")])
+                                               KV="fwd", DW="diag", SCRATCH="bfloat16"), "bfloat16"),
+                                          # the serial products as a batch of one (forward step, chain, walk)
+                                          (cfg(WALK="store", T=2, T_FWD=8, T_G=4, G_SPLIT=4, DW="diag", PIPE=2,
+                                               STEP_MMA="batched", SCRATCH="bfloat16"), "bfloat16"),
+                                          (cfg(WALK="store", DZ_STORE=True, T=2, T_FWD=4, T_G=4, G_SPLIT=4,
+                                               C_ROWS=2, DW="diag", STEP_MMA="batched"), "float32"),
+                                          (cfg(CKPT=16, T=4, T_FWD=8, WALK="chunk", STEP_MMA="batched"),
+                                           "float32")])
 @pytest.mark.parametrize("S", [29, 32])
 def test_kernel_bodies_match_bptt(config, dtype, S, tile_methods):
     # S = 29: ragged (not a multiple of T or CKPT), rows past S masked; S = 32: every chunk full, no mask.
@@ -426,4 +463,4 @@ def _check_bodies(config, shape):
         assert got[name].shape == ref[name].shape, name
         assert torch.isfinite(got[name]).all(), name
         err = (got[name].double() - ref[name]).norm() / ref[name].norm()
-        assert err < (1e-5 if lane.dot_mode(config, shape) == 3 else 2e-2), (name, float(err))
+        assert err < (1e-5 if lane.dot_mode(config, shape) % 4 == 3 else 2e-2), (name, float(err))

@@ -134,6 +134,8 @@ occupancy hints. Tunables:
   STORE             WALK = store: what the forward keeps per step, the state ("h") or Z ("z", with
                     range checkpoints; G_SPLIT programs then take contiguous ranges)
   C_ROWS            WALK = store: batch rows per chain program
+  STEP_MMA          the serial products (the forward / recompute step, the walks' and chain's dH): "2d"
+                    (tileiras picks wgmma on sm_90a) or "batched" (a batch of one: mma.sync), ``_serial``
   g_occupancy       WALK = store: the gradient kernel's CTAs-per-SM hint
   DOT               operands of the products for bf16 inputs: input (bf16, upstream's choice), tf32,
                     tf32x3 (hi/lo split, ~fp32), ieee (fp32 mma); fp32 inputs always use ieee
@@ -160,7 +162,7 @@ from lab.problems import _m2rnn as m2
 DSL = "cutile"
 KERNEL = "m2rnn_bwd"
 TUNABLES = ("CKPT", "T", "T_FWD", "T_RE", "KV", "WALK", "ROLES", "T_G", "G_SPLIT", "SCRATCH", "DZ_STORE", "DW",
-            "PIPE", "STORE", "C_ROWS", "DOT", "FAST_TANH", "num_worker_warps", "occupancy", "fwd_occupancy",
+            "PIPE", "STORE", "C_ROWS", "STEP_MMA", "DOT", "FAST_TANH", "num_worker_warps", "occupancy", "fwd_occupancy",
             "g_occupancy")
 # Default: WALK = "chain" at CKPT 128, T = 4, bf16 scratch, dz stored, 4 gradient programs per segment, the
 # fastest parity-ok config of the H100 sweep of 2026-11-23 at b2_n8: 3.82 ms (results/h100/m2rnn_bwd/
@@ -177,7 +179,7 @@ NEUTRAL = {"T_G": 8, "G_SPLIT": 1, "SCRATCH": "float32", "DZ_STORE": False, "DW"
 STORE_CKPT = 64
 DEFAULTS = {"CKPT": 128, "T": 4, "T_FWD": 16, "T_RE": 0, "KV": "outer", "WALK": "chain", "ROLES": "split",
             "T_G": 4, "G_SPLIT": 4, "SCRATCH": "bfloat16", "DZ_STORE": True, "DW": "pad", "PIPE": 1,
-            "STORE": "h", "C_ROWS": 1, "DOT": "input", "FAST_TANH": True, "num_worker_warps": 0, "occupancy": 1,
+            "STORE": "h", "C_ROWS": 1, "STEP_MMA": "2d", "DOT": "input", "FAST_TANH": True, "num_worker_warps": 0, "occupancy": 1,
             "fwd_occupancy": 3,
             "g_occupancy": 0}
 TARGETS = tuple(f"sm_{a}a" if a in (90, 100, 103, 110, 120, 121) else f"sm_{a}" for a in ARCHS)
@@ -191,6 +193,7 @@ DWS = ("pad", "diag")
 PIPES = (1, 2, 4, 8, 16, 32)
 STORES = ("h", "z")
 C_ROWS = (1, 2, 4, 8)
+STEP_MMAS = ("2d", "batched")
 G_SPLITS = (1, 2, 4, 8, 16, 32, 64)
 KVS = ("outer", "mma", "fwd")
 CKPTS = (16, 32, 64, 128, 256)
@@ -214,20 +217,39 @@ def _tanh(x, FAST):
 
 
 def _prod(a, b, acc, DOT, B_EXACT):
-    """acc + a @ b for fp32 tiles a, b. DOT: 0 bf16 operands, 1 tf32, 2 three tf32 products (hi/lo
-    split; two when B_EXACT, i.e. b is a bf16 value and so exact in tf32), 3 fp32 mma."""
-    if DOT == 0:
+    """acc + a @ b for fp32 tiles a, b. DOT % 4 (bit 2 is ``_serial``'s): 0 bf16 operands, 1 tf32, 2 three
+    tf32 products (hi/lo split; two when B_EXACT, i.e. b is a bf16 value and so exact in tf32), 3 fp32 mma."""
+    mode = DOT % 4
+    if mode == 0:
         return ct.mma(a.astype(ct.bfloat16), b.astype(ct.bfloat16), acc)
-    if DOT == 3:
+    if mode == 3:
         return ct.mma(a, b, acc)
     ah = a.astype(ct.tfloat32)
     bh = b.astype(ct.tfloat32)
     acc = ct.mma(ah, bh, acc)
-    if DOT == 2:
+    if mode == 2:
         acc = ct.mma((a - ah.astype(F32)).astype(ct.tfloat32), bh, acc)
         if not B_EXACT:
             acc = ct.mma(ah, (b - bh.astype(F32)).astype(ct.tfloat32), acc)
     return acc
+
+
+def _serial(a, b, acc, DOT, B_EXACT):
+    """``_prod`` for the products on a serial chain (the forward step, dH = dX W^T + f G), [M, K] x [K, N].
+    With DOT & 4 (STEP_MMA = "batched") as a batch of one, [1, M, K] x [1, K, N]: for a 2-D product of this
+    size tileiras emits a warpgroup wgmma on sm_90a (HGMMA: fence, arrive, commit, wait on every step),
+    for a batched one warp-level mma.sync (HMMA), which the forward lane's step uses (sm_90a AOT: 1726
+    instructions and 64 HMMA per 16-step chunk). H100, 2026-11-23: the forward lane runs b8_n84 in 2.84 ms
+    (3 waves, ~0.23 us per step; results/h100/m2rnn_fwd/20261123T053146Z-*), the storing forward here
+    (HGMMA steps, and stores) in 6.1 ms (2 waves, ~0.74 us per step; results/logs/m2rnn-s9-device-16-*)."""
+    M = a.shape[0]
+    K = a.shape[1]
+    N = b.shape[1]
+    if DOT >= 4:
+        a = a.reshape((1, M, K))
+        b = b.reshape((1, K, N))
+        acc = acc.reshape((1, M, N))
+    return _prod(a, b, acc, DOT, B_EXACT).reshape((M, N))
 
 
 def _load_w(W, nw, BV):
@@ -283,7 +305,7 @@ def _outer(xc, yc, off, i, BX, BY, T, KV):
 def _step(h, w, kc, vc, off, ff, i, BK, BV, T, DOT, FAST, KV):
     """(Z, H') of step i of a chunk from the state h: Z = tanh(h W + k v^T), H' = f h + (1 - f) Z."""
     ft = ct.extract(ff, (0, i), (1, 1))
-    z = _tanh(_prod(h, w, _outer(kc, vc, off, i, BK, BV, T, KV), DOT, True), FAST)
+    z = _tanh(_serial(h, w, _outer(kc, vc, off, i, BK, BV, T, KV), DOT, True), FAST)
     return z, ft * h + (1.0 - ft) * z
 
 
@@ -414,7 +436,7 @@ def _walk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n,
             z = _tanh(_prod(hp, w, kt * vt, DOT, True), FAST)
             G = dH + ct.extract(qc, (0, i), (BK, 1)) * ct.extract(dyc, (i, 0), (1, BV))
             dX = (1.0 - ft) * G * (1.0 - z * z)
-            dH = _prod(dX, wt, ft * G, DOT, True)
+            dH = _serial(dX, wt, ft * G, DOT, True)
             dw = _prod(hpt, dX, dw, DOT, False)
             dks = ct.insert(dks, (0, i), ct.sum(dX * vt, axis=1, keepdims=True))
             dfs = ct.insert(dfs, (0, i), ct.sum(G * (hp - z), axis=1, keepdims=True))
@@ -463,7 +485,7 @@ def _walk_chunk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df,
             G = dH + ct.extract(qdy, (i, 0, 0), (1, BK, BV)).reshape((BK, BV))
             dX = ct.extract(dz, (i, 0, 0), (1, BK, BV)).reshape((BK, BV)) * G
             ft = ct.extract(ff, (i, 0, 0), (1, 1, 1)).reshape((1, 1))
-            dH = _prod(dX, wt, ft * G, DOT, True)
+            dH = _serial(dX, wt, ft * G, DOT, True)
             dxs = ct.insert(dxs, (i, 0, 0), dX.reshape((1, BK, BV)))
             gs = ct.insert(gs, (i, 0, 0), G.reshape((1, BK, BV)))
         # Row / column sums only here, once per chunk: one per step crossed warps (block barriers).
@@ -542,7 +564,7 @@ def _chain(q, k, v, w, f, dy, sc, dzi, dh_in, dh_out, go, b, n, bn, jc, Lc, S,
             G = dH + ct.extract(qdy, (i, 0, 0), (1, BK, BV)).reshape((BK, BV))
             dX = ct.extract(dz, (i, 0, 0), (1, BK, BV)).reshape((BK, BV)) * G
             ft = ct.extract(ff, (i, 0, 0), (1, 1, 1)).reshape((1, 1))
-            dH = _prod(dX, wt, ft * G, DOT, True)
+            dH = _serial(dX, wt, ft * G, DOT, True)
             gs = ct.insert(gs, (i, 0, 0), G.reshape((1, BK, BV)))
         ct.store(go, (bn, cs, 0, 0), _scr(gs, SCB).reshape((1, T, BK, BV)))
     ct.store(dh_out, (bn, 0, 0), dH.reshape((1, BK, BV)))
@@ -591,7 +613,7 @@ def _grads(k, v, w, f, dy, sc, gi, dq, dk, dv, df, dwo, b, n, bn, jg, Lg, part, 
         dxs = _grad_sums(hc, z, g, ff, kr, vr, dy, dq, dk, dv, df, b, n, cg, BK, BV, TG, DQ)
         if SUB:
             # bf16 operands straight from a bf16 scratch when no row needs zeroing (no round trip via fp32).
-            dwp = _dw_diag(dwp, hraw if DOT == 0 and not RAG else hc, dxs, BK, BV, TG, DOT, SUB)
+            dwp = _dw_diag(dwp, hraw if DOT % 4 == 0 and not RAG else hc, dxs, BK, BV, TG, DOT, SUB)
         else:
             hpt = ct.load(sc, (bn, 0, cs, 0), (1, MP, TG, BK), order=(0, 3, 1, 2), padding_mode=ZERO)
             hpt = hpt.reshape((MP, TG, BK)).astype(F32)
@@ -732,7 +754,7 @@ def _chain_rows(q, W, f, dy, hs5: ct.IndexedWithInt64, dzs5: ct.IndexedWithInt64
             G = dH.reshape((R, 1, BK, BV)) + ct.extract(qdy, (0, i, 0, 0), (R, 1, BK, BV))
             dX = ct.extract(dz, (0, i, 0, 0), (R, 1, BK, BV)) * G
             fG = ct.extract(fr, (0, i, 0, 0), (R, 1, 1, 1)) * G
-            dH = _prod(dX.reshape((R * BK, BV)), wt, fG.reshape((R * BK, BV)), DOT, True)
+            dH = _serial(dX.reshape((R * BK, BV)), wt, fG.reshape((R * BK, BV)), DOT, True)
             gs = ct.insert(gs, (0, i, 0, 0), G)
         ct.store(gs5, (bb, n, cg, 0, 0), _scr(gs, SCB).reshape((R, 1, T, BK, BV)))
     ct.store(dh_out4, (bb, n, 0, 0), dH.reshape((R, 1, BK, BV)))
@@ -869,8 +891,10 @@ def _t_re(config: dict) -> int:
 
 
 def dot_mode(config: dict, shape: dict) -> int:
-    """fp32 inputs always multiply in fp32 (the problem's fp32 band assumes it)."""
-    return 3 if shape["dtype"] == "float32" else DOTS.index(config["DOT"])
+    """The kernels' DOT: the operand mode (DOTS index; fp32 inputs always multiply in fp32, as the
+    problem's fp32 band assumes) plus 4 with STEP_MMA = "batched" (``_serial``)."""
+    mode = 3 if shape["dtype"] == "float32" else DOTS.index(config["DOT"])
+    return mode + (4 if config["STEP_MMA"] == "batched" else 0)
 
 
 def config_reason(config: dict, shape: dict) -> str | None:
@@ -907,6 +931,8 @@ def config_reason(config: dict, shape: dict) -> str | None:
         return reason
     if config["DOT"] not in DOTS:
         return f"DOT={config['DOT']!r} must be one of {', '.join(DOTS)}"
+    if config["STEP_MMA"] not in STEP_MMAS:
+        return f"STEP_MMA={config['STEP_MMA']!r} must be one of {', '.join(STEP_MMAS)}"
     if not isinstance(config["FAST_TANH"], bool):
         return "FAST_TANH must be true or false"
     if config["num_worker_warps"] not in (0, 4, 8):
