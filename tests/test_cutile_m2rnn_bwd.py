@@ -115,8 +115,9 @@ def test_fast_tanh_is_mufu():
 
 def test_step_mma_batched_is_mma_sync():
     """STEP_MMA is real: at the b8_n84 H100 best of 2026-11-23 (WALK = store) the storing forward and the
-    chain hold warpgroup wgmmas (HGMMA) with 2-D serial products and only warp-level HMMA when batched;
-    the gradient kernel, whose products are not serial, is the same cubin either way."""
+    chain hold warpgroup wgmmas (HGMMA) with 2-D serial products and only warp-level HMMA where batched
+    (both kernels with "batched", the forward alone with "fwd"); the gradient kernel, whose products are
+    not serial, has the same wgmmas either way."""
     import subprocess
     import triton
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -136,10 +137,10 @@ def test_step_mma_batched_is_mma_sync():
                                                   check=True).stdout
             finally:
                 path.unlink()
-    for name in ("forward", "backward"):
-        assert "HGMMA" in sass["2d", name] and "HGMMA" not in sass["batched", name], name
-        assert "HMMA" in sass["batched", name], name
-    assert sass["2d", "gradients"].count("HGMMA") == sass["batched", "gradients"].count("HGMMA") > 0
+    for mode, name in (("batched", "forward"), ("batched", "backward"), ("fwd", "forward")):
+        assert "HGMMA" in sass["2d", name] and "HGMMA" not in sass[mode, name] and "HMMA" in sass[mode, name]
+    assert sass["fwd", "backward"].count("HGMMA") == sass["2d", "backward"].count("HGMMA") > 0
+    assert len({sass[mode, "gradients"].count("HGMMA") for mode in lane.STEP_MMAS} - {0}) == 1
 
 
 # ---- rules --------------------------------------------------------------------------------------
@@ -158,6 +159,7 @@ def test_config_rules():
     assert "fwd_occupancy" in lane.config_reason(cfg(fwd_occupancy=33), shape)
     assert "DOT" in lane.config_reason(cfg(DOT="fp8"), shape)
     assert "STEP_MMA" in lane.config_reason(cfg(STEP_MMA="3d"), shape)
+    assert "STEP_MMA" in lane.config_reason(cfg(STEP_MMA=["fwd"]), shape)
     assert "FAST_TANH" in lane.config_reason(cfg(FAST_TANH=1), shape)
     assert "num_worker_warps" in lane.config_reason(cfg(num_worker_warps=3), shape)
     assert "T_RE" in lane.config_reason(cfg(T_RE=32, CKPT=16), shape)
@@ -429,7 +431,9 @@ def test_schedule3_runs_each_role_once_per_segment_in_order():
                                           (cfg(WALK="store", DZ_STORE=True, T=2, T_FWD=4, T_G=4, G_SPLIT=4,
                                                C_ROWS=2, DW="diag", STEP_MMA="batched"), "float32"),
                                           (cfg(CKPT=16, T=4, T_FWD=8, WALK="chunk", STEP_MMA="batched"),
-                                           "float32")])
+                                           "float32"),
+                                          (cfg(WALK="store", T=4, T_FWD=8, T_G=4, G_SPLIT=2, DW="diag",
+                                               STEP_MMA="fwd"), "float32")])
 @pytest.mark.parametrize("S", [29, 32])
 def test_kernel_bodies_match_bptt(config, dtype, S, tile_methods):
     # S = 29: ragged (not a multiple of T or CKPT), rows past S masked; S = 32: every chunk full, no mask.

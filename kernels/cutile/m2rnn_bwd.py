@@ -135,7 +135,8 @@ occupancy hints. Tunables:
                     range checkpoints; G_SPLIT programs then take contiguous ranges)
   C_ROWS            WALK = store: batch rows per chain program
   STEP_MMA          the serial products (the forward / recompute step, the walks' and chain's dH): "2d"
-                    (tileiras picks wgmma on sm_90a) or "batched" (a batch of one: mma.sync), ``_serial``
+                    (tileiras picks wgmma on sm_90a), "batched" (a batch of one: mma.sync) or "fwd"
+                    (batched in the forward / recompute step only), ``_serial``
   g_occupancy       WALK = store: the gradient kernel's CTAs-per-SM hint
   DOT               operands of the products for bf16 inputs: input (bf16, upstream's choice), tf32,
                     tf32x3 (hi/lo split, ~fp32), ieee (fp32 mma); fp32 inputs always use ieee
@@ -193,7 +194,9 @@ DWS = ("pad", "diag")
 PIPES = (1, 2, 4, 8, 16, 32)
 STORES = ("h", "z")
 C_ROWS = (1, 2, 4, 8)
-STEP_MMAS = ("2d", "batched")
+# STEP_MMA: the bits of DOT (``dot_mode``) that batch the serial products (``_serial``): 4 the forward /
+# recompute step, 8 dH of the walks and the chain.
+STEP_MMAS = {"2d": 0, "batched": 12, "fwd": 4}
 G_SPLITS = (1, 2, 4, 8, 16, 32, 64)
 KVS = ("outer", "mma", "fwd")
 CKPTS = (16, 32, 64, 128, 256)
@@ -217,7 +220,7 @@ def _tanh(x, FAST):
 
 
 def _prod(a, b, acc, DOT, B_EXACT):
-    """acc + a @ b for fp32 tiles a, b. DOT % 4 (bit 2 is ``_serial``'s): 0 bf16 operands, 1 tf32, 2 three
+    """acc + a @ b for fp32 tiles a, b. DOT % 4 (the higher bits are ``_serial``'s): 0 bf16 operands, 1 tf32, 2 three
     tf32 products (hi/lo split; two when B_EXACT, i.e. b is a bf16 value and so exact in tf32), 3 fp32 mma."""
     mode = DOT % 4
     if mode == 0:
@@ -234,9 +237,10 @@ def _prod(a, b, acc, DOT, B_EXACT):
     return acc
 
 
-def _serial(a, b, acc, DOT, B_EXACT):
-    """``_prod`` for the products on a serial chain (the forward step, dH = dX W^T + f G), [M, K] x [K, N].
-    With DOT & 4 (STEP_MMA = "batched") as a batch of one, [1, M, K] x [1, K, N]: for a 2-D product of this
+def _serial(a, b, acc, DOT, B_EXACT, BIT):
+    """``_prod`` for the products on a serial chain, [M, K] x [K, N]: BIT 4 for the forward / recompute step,
+    8 for dH = dX W^T + f G of the walks and the chain. With that bit of DOT set (``dot_mode``) as a batch
+    of one, [1, M, K] x [1, K, N]: for a 2-D product of this
     size tileiras emits a warpgroup wgmma on sm_90a (HGMMA: fence, arrive, commit, wait on every step),
     for a batched one warp-level mma.sync (HMMA), which the forward lane's step uses (sm_90a AOT: 1726
     instructions and 64 HMMA per 16-step chunk). H100, 2026-11-23: the forward lane runs b8_n84 in 2.84 ms
@@ -245,7 +249,7 @@ def _serial(a, b, acc, DOT, B_EXACT):
     M = a.shape[0]
     K = a.shape[1]
     N = b.shape[1]
-    if DOT >= 4:
+    if (DOT // BIT) % 2 == 1:
         a = a.reshape((1, M, K))
         b = b.reshape((1, K, N))
         acc = acc.reshape((1, M, N))
@@ -305,7 +309,7 @@ def _outer(xc, yc, off, i, BX, BY, T, KV):
 def _step(h, w, kc, vc, off, ff, i, BK, BV, T, DOT, FAST, KV):
     """(Z, H') of step i of a chunk from the state h: Z = tanh(h W + k v^T), H' = f h + (1 - f) Z."""
     ft = ct.extract(ff, (0, i), (1, 1))
-    z = _tanh(_serial(h, w, _outer(kc, vc, off, i, BK, BV, T, KV), DOT, True), FAST)
+    z = _tanh(_serial(h, w, _outer(kc, vc, off, i, BK, BV, T, KV), DOT, True, 4), FAST)
     return z, ft * h + (1.0 - ft) * z
 
 
@@ -436,7 +440,7 @@ def _walk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b, n,
             z = _tanh(_prod(hp, w, kt * vt, DOT, True), FAST)
             G = dH + ct.extract(qc, (0, i), (BK, 1)) * ct.extract(dyc, (i, 0), (1, BV))
             dX = (1.0 - ft) * G * (1.0 - z * z)
-            dH = _serial(dX, wt, ft * G, DOT, True)
+            dH = _serial(dX, wt, ft * G, DOT, True, 8)
             dw = _prod(hpt, dX, dw, DOT, False)
             dks = ct.insert(dks, (0, i), ct.sum(dX * vt, axis=1, keepdims=True))
             dfs = ct.insert(dfs, (0, i), ct.sum(G * (hp - z), axis=1, keepdims=True))
@@ -485,7 +489,7 @@ def _walk_chunk(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df,
             G = dH + ct.extract(qdy, (i, 0, 0), (1, BK, BV)).reshape((BK, BV))
             dX = ct.extract(dz, (i, 0, 0), (1, BK, BV)).reshape((BK, BV)) * G
             ft = ct.extract(ff, (i, 0, 0), (1, 1, 1)).reshape((1, 1))
-            dH = _serial(dX, wt, ft * G, DOT, True)
+            dH = _serial(dX, wt, ft * G, DOT, True, 8)
             dxs = ct.insert(dxs, (i, 0, 0), dX.reshape((1, BK, BV)))
             gs = ct.insert(gs, (i, 0, 0), G.reshape((1, BK, BV)))
         # Row / column sums only here, once per chunk: one per step crossed warps (block barriers).
@@ -564,7 +568,7 @@ def _chain(q, k, v, w, f, dy, sc, dzi, dh_in, dh_out, go, b, n, bn, jc, Lc, S,
             G = dH + ct.extract(qdy, (i, 0, 0), (1, BK, BV)).reshape((BK, BV))
             dX = ct.extract(dz, (i, 0, 0), (1, BK, BV)).reshape((BK, BV)) * G
             ft = ct.extract(ff, (i, 0, 0), (1, 1, 1)).reshape((1, 1))
-            dH = _serial(dX, wt, ft * G, DOT, True)
+            dH = _serial(dX, wt, ft * G, DOT, True, 8)
             gs = ct.insert(gs, (i, 0, 0), G.reshape((1, BK, BV)))
         ct.store(go, (bn, cs, 0, 0), _scr(gs, SCB).reshape((1, T, BK, BV)))
     ct.store(dh_out, (bn, 0, 0), dH.reshape((1, BK, BV)))
@@ -754,7 +758,7 @@ def _chain_rows(q, W, f, dy, hs5: ct.IndexedWithInt64, dzs5: ct.IndexedWithInt64
             G = dH.reshape((R, 1, BK, BV)) + ct.extract(qdy, (0, i, 0, 0), (R, 1, BK, BV))
             dX = ct.extract(dz, (0, i, 0, 0), (R, 1, BK, BV)) * G
             fG = ct.extract(fr, (0, i, 0, 0), (R, 1, 1, 1)) * G
-            dH = _serial(dX.reshape((R * BK, BV)), wt, fG.reshape((R * BK, BV)), DOT, True)
+            dH = _serial(dX.reshape((R * BK, BV)), wt, fG.reshape((R * BK, BV)), DOT, True, 8)
             gs = ct.insert(gs, (0, i, 0, 0), G)
         ct.store(gs5, (bb, n, cg, 0, 0), _scr(gs, SCB).reshape((R, 1, T, BK, BV)))
     ct.store(dh_out4, (bb, n, 0, 0), dH.reshape((R, 1, BK, BV)))
@@ -892,9 +896,9 @@ def _t_re(config: dict) -> int:
 
 def dot_mode(config: dict, shape: dict) -> int:
     """The kernels' DOT: the operand mode (DOTS index; fp32 inputs always multiply in fp32, as the
-    problem's fp32 band assumes) plus 4 with STEP_MMA = "batched" (``_serial``)."""
+    problem's fp32 band assumes) plus STEP_MMA's bits (``_serial``)."""
     mode = 3 if shape["dtype"] == "float32" else DOTS.index(config["DOT"])
-    return mode + (4 if config["STEP_MMA"] == "batched" else 0)
+    return mode + STEP_MMAS[config["STEP_MMA"]]
 
 
 def config_reason(config: dict, shape: dict) -> str | None:
@@ -931,7 +935,7 @@ def config_reason(config: dict, shape: dict) -> str | None:
         return reason
     if config["DOT"] not in DOTS:
         return f"DOT={config['DOT']!r} must be one of {', '.join(DOTS)}"
-    if config["STEP_MMA"] not in STEP_MMAS:
+    if not isinstance(config["STEP_MMA"], str) or config["STEP_MMA"] not in STEP_MMAS:
         return f"STEP_MMA={config['STEP_MMA']!r} must be one of {', '.join(STEP_MMAS)}"
     if not isinstance(config["FAST_TANH"], bool):
         return "FAST_TANH must be true or false"
