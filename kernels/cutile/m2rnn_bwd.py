@@ -136,7 +136,7 @@ occupancy hints. Tunables:
   C_ROWS            WALK = store: batch rows per chain program
   STEP_MMA          the serial products (the forward / recompute step, the walks' and chain's dH): "2d"
                     (tileiras picks wgmma on sm_90a), "batched" (a batch of one: mma.sync) or "fwd"
-                    (batched in the forward / recompute step only), ``_serial``
+                    (batched in the forward / recompute step only); ``_serial`` (no gain measured)
   g_occupancy       WALK = store: the gradient kernel's CTAs-per-SM hint
   DOT               operands of the products for bf16 inputs: input (bf16, upstream's choice), tf32,
                     tf32x3 (hi/lo split, ~fp32), ieee (fp32 mma); fp32 inputs always use ieee
@@ -240,12 +240,15 @@ def _prod(a, b, acc, DOT, B_EXACT):
 def _serial(a, b, acc, DOT, B_EXACT, BIT):
     """``_prod`` for the products on a serial chain, [M, K] x [K, N]: BIT 4 for the forward / recompute step,
     8 for dH = dX W^T + f G of the walks and the chain. With that bit of DOT set (``dot_mode``) as a batch
-    of one, [1, M, K] x [1, K, N]: for a 2-D product of this
-    size tileiras emits a warpgroup wgmma on sm_90a (HGMMA: fence, arrive, commit, wait on every step),
-    for a batched one warp-level mma.sync (HMMA), which the forward lane's step uses (sm_90a AOT: 1726
-    instructions and 64 HMMA per 16-step chunk). H100, 2026-11-23: the forward lane runs b8_n84 in 2.84 ms
-    (3 waves, ~0.23 us per step; results/h100/m2rnn_fwd/20261123T053146Z-*), the storing forward here
-    (HGMMA steps, and stores) in 6.1 ms (2 waves, ~0.74 us per step; results/logs/m2rnn-s9-device-16-*)."""
+    of one, [1, M, K] x [1, K, N]: for a 2-D product of this size tileiras emits a warpgroup wgmma on sm_90a
+    (HGMMA, with its fence / arrive / commit / wait each step), for a batched one warp-level mma.sync (HMMA),
+    as in the forward lane's step (sm_90a AOT: 1726 instructions and 64 HMMA per 16-step chunk; 2.84 ms at
+    b8_n84 on the H100, results/h100/m2rnn_fwd/20261123T053146Z-*). Measured (H100, 2026-11-23, b8_n84, the
+    store walk's best config at PIPE 1, results/logs/m2rnn-s11-device-{5,10}-*): no gain. The storing
+    forward took 4.35 / 4.31 ms batched against 4.29 with wgmma (results/logs/m2rnn-s9-device-16-*), the chain
+    6.68 batched against 6.65; sweeps 18.33 / 18.32 ms against 18.26 (20261123T190734Z-*, 191532Z-*). So
+    the wgmma's wait is not what bounds these loops; the storing forward's cost is its stores (6.1 ms when
+    it also stores dz)."""
     M = a.shape[0]
     K = a.shape[1]
     N = b.shape[1]
