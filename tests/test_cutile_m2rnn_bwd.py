@@ -160,6 +160,10 @@ def test_config_rules():
     assert "DOT" in lane.config_reason(cfg(DOT="fp8"), shape)
     assert "STEP_MMA" in lane.config_reason(cfg(STEP_MMA="3d"), shape)
     assert "STEP_MMA" in lane.config_reason(cfg(STEP_MMA=["fwd"]), shape)
+    assert "DQ_FWD" in lane.config_reason(cfg(DQ_FWD=True), shape)
+    assert "DQ_FWD" in lane.config_reason(cfg(DQ_FWD=1, WALK="store"), shape)
+    assert lane.config_reason(cfg(DQ_FWD=True, WALK="store"), shape) is None
+    assert "DQ_FWD" in lane.config_reason(cfg(DQ_FWD=True, WALK="store", STORE="z", DW="diag"), shape)
     assert "FAST_TANH" in lane.config_reason(cfg(FAST_TANH=1), shape)
     assert "num_worker_warps" in lane.config_reason(cfg(num_worker_warps=3), shape)
     assert "T_RE" in lane.config_reason(cfg(T_RE=32, CKPT=16), shape)
@@ -433,7 +437,12 @@ def test_schedule3_runs_each_role_once_per_segment_in_order():
                                           (cfg(CKPT=16, T=4, T_FWD=8, WALK="chunk", STEP_MMA="batched"),
                                            "float32"),
                                           (cfg(WALK="store", T=4, T_FWD=8, T_G=4, G_SPLIT=2, DW="diag",
-                                               STEP_MMA="fwd"), "float32")])
+                                               STEP_MMA="fwd"), "float32"),
+                                          # dq in the storing forward (the gradient kernel takes none)
+                                          (cfg(WALK="store", T=2, T_FWD=4, T_G=4, G_SPLIT=2, DW="diag", PIPE=2,
+                                               DQ_FWD=True), "float32"),
+                                          (cfg(WALK="store", DZ_STORE=True, T=4, T_FWD=8, T_G=2, G_SPLIT=4,
+                                               DW="diag", DQ_FWD=True, SCRATCH="bfloat16"), "bfloat16")])
 @pytest.mark.parametrize("S", [29, 32])
 def test_kernel_bodies_match_bptt(config, dtype, S, tile_methods):
     # S = 29: ragged (not a multiple of T or CKPT), rows past S masked; S = 32: every chunk full, no mask.

@@ -137,6 +137,8 @@ occupancy hints. Tunables:
   STEP_MMA          the serial products (the forward / recompute step, the walks' and chain's dH): "2d"
                     (tileiras picks wgmma on sm_90a), "batched" (a batch of one: mma.sync) or "fwd"
                     (batched in the forward / recompute step only); ``_serial`` (no gain measured)
+  DQ_FWD            WALK = store, STORE = h: dq_t = H_t dy_t in the storing forward (a sum over V per step)
+                    instead of the gradient kernel
   g_occupancy       WALK = store: the gradient kernel's CTAs-per-SM hint
   DOT               operands of the products for bf16 inputs: input (bf16, upstream's choice), tf32,
                     tf32x3 (hi/lo split, ~fp32), ieee (fp32 mma); fp32 inputs always use ieee
@@ -163,7 +165,7 @@ from lab.problems import _m2rnn as m2
 DSL = "cutile"
 KERNEL = "m2rnn_bwd"
 TUNABLES = ("CKPT", "T", "T_FWD", "T_RE", "KV", "WALK", "ROLES", "T_G", "G_SPLIT", "SCRATCH", "DZ_STORE", "DW",
-            "PIPE", "STORE", "C_ROWS", "STEP_MMA", "DOT", "FAST_TANH", "num_worker_warps", "occupancy", "fwd_occupancy",
+            "PIPE", "STORE", "C_ROWS", "STEP_MMA", "DQ_FWD", "DOT", "FAST_TANH", "num_worker_warps", "occupancy", "fwd_occupancy",
             "g_occupancy")
 # Default: WALK = "chain" at CKPT 128, T = 4, bf16 scratch, dz stored, 4 gradient programs per segment, the
 # fastest parity-ok config of the H100 sweep of 2026-11-23 at b2_n8: 3.82 ms (results/h100/m2rnn_bwd/
@@ -180,7 +182,7 @@ NEUTRAL = {"T_G": 8, "G_SPLIT": 1, "SCRATCH": "float32", "DZ_STORE": False, "DW"
 STORE_CKPT = 64
 DEFAULTS = {"CKPT": 128, "T": 4, "T_FWD": 16, "T_RE": 0, "KV": "outer", "WALK": "chain", "ROLES": "split",
             "T_G": 4, "G_SPLIT": 4, "SCRATCH": "bfloat16", "DZ_STORE": True, "DW": "pad", "PIPE": 1,
-            "STORE": "h", "C_ROWS": 1, "STEP_MMA": "2d", "DOT": "input", "FAST_TANH": True, "num_worker_warps": 0, "occupancy": 1,
+            "STORE": "h", "C_ROWS": 1, "STEP_MMA": "2d", "DQ_FWD": False, "DOT": "input", "FAST_TANH": True, "num_worker_warps": 0, "occupancy": 1,
             "fwd_occupancy": 3,
             "g_occupancy": 0}
 TARGETS = tuple(f"sm_{a}a" if a in (90, 100, 103, 110, 120, 121) else f"sm_{a}" for a in ARCHS)
@@ -368,28 +370,37 @@ def _recompute(k, v, w, f, ckpt, sc, dzo, b, n, bn, jr, Lr, S,
     the state: f = 1 there) and none starts past S. With DZ also dzo[bn, i] = (1 - f)(1 - Z^2) of that step
     (the chain walk's factor); with SCB both are stored as bf16."""
     h = ct.load(ckpt, (bn, jr, 0, 0), (1, 1, BK, BV)).reshape((BK, BV))
-    _replay(k, v, w, f, h, sc, dzo, b, n, bn, jr * (CKPT // T), ct.cdiv(Lr, T), S, GK, GF, BK, BV, T, DOT, FAST,
-            KV, DZ, SCB)
+    _replay(k, v, w, f, h, sc, dzo, f, sc, b, n, bn, jr * (CKPT // T), ct.cdiv(Lr, T), S, GK, GF, BK, BV, T, DOT,
+            FAST, KV, DZ, SCB, False)
 
 
-def _replay(k, v, w, f, h, sc, dzo, b, n, bn, c0, nch, S, GK, GF, BK, BV, T, DOT, FAST, KV, DZ, SCB):
+def _replay(k, v, w, f, h, sc, dzo, dy, dq, b, n, bn, c0, nch, S, GK, GF, BK, BV, T, DOT, FAST, KV, DZ, SCB, DQ):
     """From the state h before chunk c0 (global chunks of T steps), run nch chunks; chunk c's states before
-    each step go to sc[bn, c*T + i] and, with DZ, (1 - f)(1 - Z^2) to dzo (one store per chunk each)."""
+    each step go to sc[bn, c*T + i] and, with DZ, (1 - f)(1 - Z^2) to dzo (one store per chunk each). With
+    DQ also dq_t = H_t dy_t into dq [B, S, N, K] (a sum over V per step, one store per chunk; dy and dq are
+    not read otherwise)."""
     for c in range(nch):
         cg = c0 + c
         kc, vc, off = _pair(k, v, b, n // GK, n, cg, T, BK, BV, KV)
         ff = _gates(f, b, n // GF, cg, T, S)
         hs = ct.zeros((T, BK, BV), dtype=F32)
         dzs = ct.zeros((T, BK, BV), dtype=F32)
+        dqs = ct.zeros((T, BK), dtype=F32)
+        if DQ:
+            dyc = _rows(dy, b, n, cg, T, BV)
         for i in ct.static_iter(range(T)):
             hs = ct.insert(hs, (i, 0, 0), h.reshape((1, BK, BV)))
             z, h = _step(h, w, kc, vc, off, ff, i, BK, BV, T, DOT, FAST, KV)
             if DZ:
                 ft = ct.extract(ff, (0, i), (1, 1))
                 dzs = ct.insert(dzs, (i, 0, 0), ((1.0 - ft) * (1.0 - z * z)).reshape((1, BK, BV)))
+            if DQ:
+                dqs = ct.insert(dqs, (i, 0), ct.sum(h * ct.extract(dyc, (i, 0), (1, BV)), axis=1).reshape((1, BK)))
         ct.store(sc, (bn, c, 0, 0), _scr(hs, SCB).reshape((1, T, BK, BV)))
         if DZ:
             ct.store(dzo, (bn, c, 0, 0), _scr(dzs, SCB).reshape((1, T, BK, BV)))
+        if DQ:
+            ct.store(dq, (b, n, cg, 0), dqs.reshape((1, 1, T, BK)), order=(0, 2, 1, 3))
 
 
 def _scr(x, SCB):
@@ -703,14 +714,16 @@ def schedule3(nseg: int, S: int, ckpt: int) -> list[tuple[int, int, int, int, in
             for m in range(nseg + 2)]
 
 
-def _fwd_store(k, v, W, f, h0, hs: ct.IndexedWithInt64, dzs: ct.IndexedWithInt64,
+def _fwd_store(k, v, W, f, dy, h0, hs: ct.IndexedWithInt64, dzs: ct.IndexedWithInt64, dq,
                N: C, GK: C, GW: C, GF: C, BK: C, BV: C, T: C, HAS_H0: CB, DOT: C, FAST: CB, KV: CB, DZ: CB,
-               SCB: CB):
+               SCB: CB, DQF: CB):
     """WALK = "store", grid B*N: the forward through all S steps, storing every state before its step to
-    hs [B*N, S, BK, BV] and, with DZ, (1 - f)(1 - Z^2) to dzs (int64 indexing: 2.8e9 elements at b8_n84)."""
+    hs [B*N, S, BK, BV] and, with DZ, (1 - f)(1 - Z^2) to dzs (int64 indexing: 2.8e9 elements at b8_n84);
+    with DQF (DQ_FWD) dq_t = H_t dy_t to dq, which the gradient kernel then leaves alone."""
     bn, b, n, S, w = _program(v, W, N, GW, BV)
     h = _initial_state(h0, b, n, BK, BV, HAS_H0)
-    _replay(k, v, w, f, h, hs, dzs, b, n, bn, 0, ct.cdiv(S, T), S, GK, GF, BK, BV, T, DOT, FAST, KV, DZ, SCB)
+    _replay(k, v, w, f, h, hs, dzs, dy, dq, b, n, bn, 0, ct.cdiv(S, T), S, GK, GF, BK, BV, T, DOT, FAST, KV, DZ, SCB,
+            DQF)
 
 
 def _chain_all(q, k, v, W, f, dy, hs: ct.IndexedWithInt64, dzs: ct.IndexedWithInt64, dh_in, dh_out,
@@ -770,12 +783,13 @@ def _chain_rows(q, W, f, dy, hs5: ct.IndexedWithInt64, dzs5: ct.IndexedWithInt64
 def _grads_all(k, v, W, f, dy, hs: ct.IndexedWithInt64, gs: ct.IndexedWithInt64, dq, dk, dv, df, dwo,
                jp: int, Lp: int,
                N: C, GK: C, GW: C, GF: C, GS: C, BK: C, BV: C, TG: C, DOT: C, FAST: CB, KV: CB, SUB: C, RAG: CB,
-               PL: C):
-    """WALK = "store", grid B*N x GS: ``_grads`` (with dq) over piece jp (as ``_chain_all``), program bid(1)
-    taking every GS-th chunk of TG steps; dW parts to dwo [B*N, PIPE*GS, BV, BV]."""
+               PL: C, DQF: CB):
+    """WALK = "store", grid B*N x GS: ``_grads`` (with dq unless the forward took it, DQF) over piece jp (as
+    ``_chain_all``), program bid(1) taking every GS-th chunk of TG steps; dW parts to dwo [B*N, PIPE*GS, BV,
+    BV]."""
     bn, b, n, S, w = _program(v, W, N, GW, BV)
     _grads(k, v, w, f, dy, hs, gs, dq, dk, dv, df, dwo, b, n, bn, jp, Lp, ct.bid(1), S,
-           GK, GF, GS, BK, BV, PL, TG, DOT, FAST, KV, True, SUB, RAG, True)
+           GK, GF, GS, BK, BV, PL, TG, DOT, FAST, KV, not DQF, SUB, RAG, True)
 
 
 def _fwd_zs(k, v, W, f, h0, zs: ct.IndexedWithInt64, ck,
@@ -1001,6 +1015,8 @@ def _chain_reason(config: dict, shape: dict) -> str | None:
         if not (config["DZ_STORE"] or config["STORE"] == "z") or config["KV"] == "mma":
             return (f"C_ROWS={config['C_ROWS']}: the stacked chain loads dz (DZ_STORE or STORE=z) and takes "
                     f"KV=outer / fwd")
+    if not isinstance(config["DQ_FWD"], bool) or (config["DQ_FWD"] and (walk, config["STORE"]) != ("store", "h")):
+        return "DQ_FWD must be true or false, and false unless WALK=store with STORE=h"
     if walk == "store" and (config["CKPT"], config["T_RE"]) != (STORE_CKPT, 0):
         return f"WALK=store keeps every state (no checkpoints): CKPT must stay {STORE_CKPT} and T_RE 0"
     if config["SCRATCH"] == "bfloat16" and (shape["dtype"] != "bfloat16" or config["DOT"] != "input"):
@@ -1041,7 +1057,8 @@ def _consts(config: dict, shape: dict) -> dict:
             "SPLIT": config["ROLES"] == "split", "CHUNKW": config["WALK"] == "chunk", "TG": config["T_G"],
             "GS": config["G_SPLIT"], "DZ": config["DZ_STORE"], "SCB": config["SCRATCH"] == "bfloat16",
             "SUB": dw_sub(config, shape), "RAG": _ragged(config, shape), "PL": piece_len(config, shape),
-            "ZS": config["STORE"] == "z", "CK": range_len(config, shape), "R": config["C_ROWS"]}
+            "ZS": config["STORE"] == "z", "CK": range_len(config, shape), "R": config["C_ROWS"],
+            "DQF": config["DQ_FWD"]}
 
 
 def piece_len(config: dict, shape: dict) -> int:
@@ -1073,11 +1090,12 @@ _CHAIN_CONSTS = ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "CKPT", "T", "TR", "TG
 
 
 # KVF: the forward's KV (KV = "fwd": one-hot products there, broadcast ones in the chain and the gradients).
-_STORE_CONSTS = {"forward": ("N", "GK", "GW", "GF", "BK", "BV", "T_FWD", "HAS_H0", "DOT", "FAST", "KVF", "DZ", "SCB"),
+_STORE_CONSTS = {"forward": ("N", "GK", "GW", "GF", "BK", "BV", "T_FWD", "HAS_H0", "DOT", "FAST", "KVF", "DZ", "SCB",
+                             "DQF"),
                  "backward": ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "T", "DOT", "FAST", "KV", "DZ", "SCB", "PL",
                               "ZS"),
                  "gradients": ("N", "GK", "GW", "GF", "GS", "BK", "BV", "TG", "DOT", "FAST", "KV", "SUB", "RAG",
-                               "PL")}
+                               "PL", "DQF")}
 # STORE = "z": the forward stores Z and range checkpoints, the gradients rebuild the states (no W there).
 _ZS_CONSTS = {"forward": ("N", "GK", "GW", "GF", "BK", "BV", "T_FWD", "HAS_H0", "DOT", "FAST", "KVF", "SCB", "CK"),
               "gradients": ("N", "GK", "GF", "GS", "BK", "BV", "TG", "DOT", "SUB", "PL", "CK")}
@@ -1187,7 +1205,7 @@ def _signatures(config: dict, shape: dict):
             gr = [k, v, f, dy, big, big, ckz, *grads[:1], *grads, g(*_dw_dims(config, shape)), i32, i32] + \
                 con["gradients"]
         else:
-            fwd = [k, v, W, f, _array(dt, (B, N, K, V)), big, dzb] + con["forward"]
+            fwd = [k, v, W, f, dy, _array(dt, (B, N, K, V)), big, dzb, g(B, S, N, K)] + con["forward"]
             gr = [k, v, W, f, dy, big, big, *grads[:1], *grads, g(*_dw_dims(config, shape)), i32, i32] + \
                 con["gradients"]
     cc = CallingConvention.cutile_python_v1()
@@ -1319,8 +1337,11 @@ def build(config: dict, shape: dict):
         w = work
         con = {name: [c[n] for n in names] for name, names in _store_consts(config).items()}
         zs = config["STORE"] == "z"
-        ct.launch(stream, grid_fwd, fwd, (i["k"], i["v"], i["W"], i["f"], h0, w["h"], w["ckz"] if zs else w["dz"],
-                                          *con["forward"]))
+        if zs:
+            ct.launch(stream, grid_fwd, fwd, (i["k"], i["v"], i["W"], i["f"], h0, w["h"], w["ckz"], *con["forward"]))
+        else:
+            ct.launch(stream, grid_fwd, fwd, (i["k"], i["v"], i["W"], i["f"], i["dy"], h0, w["h"], w["dz"], w["dq"],
+                                              *con["forward"]))
         npc, pl = pieces(config, shape), c["PL"]
         side = w["chain_stream"] if npc > 1 else stream
         if side is not stream:
