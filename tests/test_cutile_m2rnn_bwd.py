@@ -160,10 +160,13 @@ def test_config_rules():
     assert "DOT" in lane.config_reason(cfg(DOT="fp8"), shape)
     assert "STEP_MMA" in lane.config_reason(cfg(STEP_MMA="3d"), shape)
     assert "STEP_MMA" in lane.config_reason(cfg(STEP_MMA=["fwd"]), shape)
-    assert "DQ_FWD" in lane.config_reason(cfg(DQ_FWD=True), shape)
-    assert "DQ_FWD" in lane.config_reason(cfg(DQ_FWD=1, WALK="store"), shape)
-    assert lane.config_reason(cfg(DQ_FWD=True, WALK="store"), shape) is None
-    assert "DQ_FWD" in lane.config_reason(cfg(DQ_FWD=True, WALK="store", STORE="z", DW="diag"), shape)
+    assert "DQ=fwd" in lane.config_reason(cfg(DQ="fwd"), shape)
+    assert "DQ=" in lane.config_reason(cfg(DQ=True, WALK="store"), shape)
+    assert "DQ=" in lane.config_reason(cfg(DQ="dy", WALK="store"), shape)
+    assert lane.config_reason(cfg(DQ="fwd", WALK="store"), shape) is None
+    assert lane.config_reason(cfg(DQ="chain", WALK="store"), shape) is None
+    assert "DQ=chain" in lane.config_reason(cfg(DQ="chain", WALK="store", STORE="z", DW="diag"), shape)
+    assert "DQ=chain" in lane.config_reason(cfg(DQ="chain", WALK="store", DZ_STORE=True), shape)
     assert "FAST_TANH" in lane.config_reason(cfg(FAST_TANH=1), shape)
     assert "num_worker_warps" in lane.config_reason(cfg(num_worker_warps=3), shape)
     assert "T_RE" in lane.config_reason(cfg(T_RE=32, CKPT=16), shape)
@@ -438,11 +441,16 @@ def test_schedule3_runs_each_role_once_per_segment_in_order():
                                            "float32"),
                                           (cfg(WALK="store", T=4, T_FWD=8, T_G=4, G_SPLIT=2, DW="diag",
                                                STEP_MMA="fwd"), "float32"),
-                                          # dq in the storing forward (the gradient kernel takes none)
+                                          # dq in the storing forward or in the chain (the gradient kernel
+                                          # takes none)
                                           (cfg(WALK="store", T=2, T_FWD=4, T_G=4, G_SPLIT=2, DW="diag", PIPE=2,
-                                               DQ_FWD=True), "float32"),
+                                               DQ="fwd"), "float32"),
                                           (cfg(WALK="store", DZ_STORE=True, T=4, T_FWD=8, T_G=2, G_SPLIT=4,
-                                               DW="diag", DQ_FWD=True, SCRATCH="bfloat16"), "bfloat16")])
+                                               DW="diag", DQ="fwd", SCRATCH="bfloat16"), "bfloat16"),
+                                          (cfg(WALK="store", T=4, T_FWD=2, T_G=8, G_SPLIT=2, DW="diag", PIPE=2,
+                                               DQ="chain"), "float32"),
+                                          (cfg(WALK="store", T=2, T_FWD=8, T_G=4, G_SPLIT=4, DW="diag", KV="fwd",
+                                               DQ="chain", SCRATCH="bfloat16"), "bfloat16")])
 @pytest.mark.parametrize("S", [29, 32])
 def test_kernel_bodies_match_bptt(config, dtype, S, tile_methods):
     # S = 29: ragged (not a multiple of T or CKPT), rows past S masked; S = 32: every chunk full, no mask.

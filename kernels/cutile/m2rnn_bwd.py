@@ -137,8 +137,9 @@ occupancy hints. Tunables:
   STEP_MMA          the serial products (the forward / recompute step, the walks' and chain's dH): "2d"
                     (tileiras picks wgmma on sm_90a), "batched" (a batch of one: mma.sync) or "fwd"
                     (batched in the forward / recompute step only); ``_serial`` (no gain measured)
-  DQ_FWD            WALK = store, STORE = h: dq_t = H_t dy_t in the storing forward (a sum over V per step)
-                    instead of the gradient kernel
+  DQ                WALK = store, STORE = h: which kernel takes dq_t = H_t dy_t: "grads", "fwd" (the storing
+                    forward, a sum over V per step) or "chain" (per chunk from the states and the Z it
+                    recomputes; no dz store)
   g_occupancy       WALK = store: the gradient kernel's CTAs-per-SM hint
   DOT               operands of the products for bf16 inputs: input (bf16, upstream's choice), tf32,
                     tf32x3 (hi/lo split, ~fp32), ieee (fp32 mma); fp32 inputs always use ieee
@@ -165,8 +166,8 @@ from lab.problems import _m2rnn as m2
 DSL = "cutile"
 KERNEL = "m2rnn_bwd"
 TUNABLES = ("CKPT", "T", "T_FWD", "T_RE", "KV", "WALK", "ROLES", "T_G", "G_SPLIT", "SCRATCH", "DZ_STORE", "DW",
-            "PIPE", "STORE", "C_ROWS", "STEP_MMA", "DQ_FWD", "DOT", "FAST_TANH", "num_worker_warps", "occupancy", "fwd_occupancy",
-            "g_occupancy")
+            "PIPE", "STORE", "C_ROWS", "STEP_MMA", "DQ", "DOT", "FAST_TANH", "num_worker_warps", "occupancy",
+            "fwd_occupancy", "g_occupancy")
 # Default: WALK = "chain" at CKPT 128, T = 4, bf16 scratch, dz stored, 4 gradient programs per segment, the
 # fastest parity-ok config of the H100 sweep of 2026-11-23 at b2_n8: 3.82 ms (results/h100/m2rnn_bwd/
 # 20261123T111757Z-*), against 5.89 for the chunk walk's best (20261123T031047Z-*). The step walk (WALK =
@@ -182,9 +183,8 @@ NEUTRAL = {"T_G": 8, "G_SPLIT": 1, "SCRATCH": "float32", "DZ_STORE": False, "DW"
 STORE_CKPT = 64
 DEFAULTS = {"CKPT": 128, "T": 4, "T_FWD": 16, "T_RE": 0, "KV": "outer", "WALK": "chain", "ROLES": "split",
             "T_G": 4, "G_SPLIT": 4, "SCRATCH": "bfloat16", "DZ_STORE": True, "DW": "pad", "PIPE": 1,
-            "STORE": "h", "C_ROWS": 1, "STEP_MMA": "2d", "DQ_FWD": False, "DOT": "input", "FAST_TANH": True, "num_worker_warps": 0, "occupancy": 1,
-            "fwd_occupancy": 3,
-            "g_occupancy": 0}
+            "STORE": "h", "C_ROWS": 1, "STEP_MMA": "2d", "DQ": "grads", "DOT": "input", "FAST_TANH": True,
+            "num_worker_warps": 0, "occupancy": 1, "fwd_occupancy": 3, "g_occupancy": 0}
 TARGETS = tuple(f"sm_{a}a" if a in (90, 100, 103, 110, 120, 121) else f"sm_{a}" for a in ARCHS)
 DTYPES = ("float32", "bfloat16")
 DOTS = ("input", "tf32", "tf32x3", "ieee")
@@ -199,6 +199,7 @@ C_ROWS = (1, 2, 4, 8)
 # STEP_MMA: the bits of DOT (``dot_mode``) that batch the serial products (``_serial``): 4 the forward /
 # recompute step, 8 dH of the walks and the chain.
 STEP_MMAS = {"2d": 0, "batched": 12, "fwd": 4}
+DQS = ("grads", "fwd", "chain")
 G_SPLITS = (1, 2, 4, 8, 16, 32, 64)
 KVS = ("outer", "mma", "fwd")
 CKPTS = (16, 32, 64, 128, 256)
@@ -549,14 +550,15 @@ def _walk_any(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b
               GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST)
 
 
-def _chain(q, k, v, w, f, dy, sc, dzi, dh_in, dh_out, go, b, n, bn, jc, Lc, S,
-           GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, KV, DZ, SCB, GL, ZS):
+def _chain(q, k, v, w, f, dy, sc, dzi, dh_in, dh_out, go, dq, b, n, bn, jc, Lc, S,
+           GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, KV, DZ, SCB, GL, ZS, DQ):
     """WALK = "chain": only the serial chain of segment jc (Lc steps), per chunk of T from the last
     (GL: the scratch holds every step, indexed by the global chunk; else the segment's alone):
     G = dH + q dy^T, dX = dz G, dH = dX W^T + f G, with dz = (1 - f)(1 - Z^2) loaded from dzi (DZ) or
     recomputed per chunk from the states in sc (one batched product, off the chain), or with ZS from the
     forward's Z that sc then holds (rows past S read as zero: dz = 0 there, f being 1); the chunk's G
-    stacked and stored to go. dk, dv, df and dW are left to ``_grads`` in the next launch."""
+    stacked and stored to go. dk, dv, df and dW are left to ``_grads`` in the next launch. With DQ (Z
+    recomputed only) also dq_t = H_t dy_t, H_t = f H_{t-1} + (1 - f) Z, one batched sum per chunk into dq."""
     wt = ct.transpose(w)
     dH = ct.load(dh_in, (bn, 0, 0), (1, BK, BV)).reshape((BK, BV))
     per = CKPT // T
@@ -575,6 +577,10 @@ def _chain(q, k, v, w, f, dy, sc, dzi, dh_in, dh_out, go, b, n, bn, jc, Lc, S,
             hc = ct.load(sc, (bn, cs, 0, 0), (1, T, BK, BV)).reshape((T, BK, BV)).astype(F32)
             z = _tanh(_prod(hc, w, _outer_stack(k, v, b, n // GK, n, cg, T, BK, BV, KV), DOT, True), FAST)
             dz = (1.0 - ff) * (1.0 - z * z)
+            if DQ:
+                dyr = _rows(dy, b, n, cg, T, BV).reshape((T, 1, BV))
+                dqc = ct.sum((ff * hc + (1.0 - ff) * z) * dyr, axis=2)
+                ct.store(dq, (b, n, cg, 0), dqc.reshape((1, 1, T, BK)), order=(0, 2, 1, 3))
         qdy = _outer_stack(q, dy, b, n // GQ, n, cg, T, BK, BV, KV)
         gs = ct.zeros((T, BK, BV), dtype=F32)
         for ii in ct.static_iter(range(T)):
@@ -690,8 +696,8 @@ def _seg3(q, k, v, W, f, dy, ckpt, h_re, h_ch, h_gr, dz_re, dz_ch, g_ch, g_gr, d
     role = ct.bid(1)
     if role == 0:
         if Lc > 0:
-            _chain(q, k, v, w, f, dy, h_ch, dz_ch, dh_in, dh_out, g_ch, b, n, bn, jc, Lc, S,
-                   GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, KV, DZ, SCB, False, False)
+            _chain(q, k, v, w, f, dy, h_ch, dz_ch, dh_in, dh_out, g_ch, dk, b, n, bn, jc, Lc, S,
+                   GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, KV, DZ, SCB, False, False, False)
     elif role == 1:
         if Lr > 0:
             _recompute(k, v, w, f, ckpt, h_re, dz_re, b, n, bn, jr, Lr, S, GK, GF, BK, BV, CKPT, TR, DOT, FAST,
@@ -719,7 +725,7 @@ def _fwd_store(k, v, W, f, dy, h0, hs: ct.IndexedWithInt64, dzs: ct.IndexedWithI
                SCB: CB, DQF: CB):
     """WALK = "store", grid B*N: the forward through all S steps, storing every state before its step to
     hs [B*N, S, BK, BV] and, with DZ, (1 - f)(1 - Z^2) to dzs (int64 indexing: 2.8e9 elements at b8_n84);
-    with DQF (DQ_FWD) dq_t = H_t dy_t to dq, which the gradient kernel then leaves alone."""
+    with DQF (DQ = "fwd") dq_t = H_t dy_t to dq."""
     bn, b, n, S, w = _program(v, W, N, GW, BV)
     h = _initial_state(h0, b, n, BK, BV, HAS_H0)
     _replay(k, v, w, f, h, hs, dzs, dy, dq, b, n, bn, 0, ct.cdiv(S, T), S, GK, GF, BK, BV, T, DOT, FAST, KV, DZ, SCB,
@@ -727,15 +733,15 @@ def _fwd_store(k, v, W, f, dy, h0, hs: ct.IndexedWithInt64, dzs: ct.IndexedWithI
 
 
 def _chain_all(q, k, v, W, f, dy, hs: ct.IndexedWithInt64, dzs: ct.IndexedWithInt64, dh_in, dh_out,
-               gs: ct.IndexedWithInt64, jp: int, Lp: int,
+               gs: ct.IndexedWithInt64, dq, jp: int, Lp: int,
                N: C, GQ: C, GK: C, GW: C, GF: C, BK: C, BV: C, T: C, DOT: C, FAST: CB, KV: CB, DZ: CB, SCB: CB,
-               PL: C, ZS: CB):
+               PL: C, ZS: CB, DQC: CB):
     """WALK = "store", grid B*N: ``_chain`` through piece jp (Lp steps from step jp*PL) in one program (dz
     loaded with DZ, from the stored Z in hs with ZS, else Z recomputed from the stored states), G to gs
-    [B*N, S, BK, BV]."""
+    [B*N, S, BK, BV]; with DQC (DQ = "chain") dq too."""
     bn, b, n, S, w = _program(v, W, N, GW, BV)
-    _chain(q, k, v, w, f, dy, hs, dzs, dh_in, dh_out, gs, b, n, bn, jp, Lp, S,
-           GQ, GK, GF, BK, BV, PL, T, DOT, FAST, KV, DZ, SCB, True, ZS)
+    _chain(q, k, v, w, f, dy, hs, dzs, dh_in, dh_out, gs, dq, b, n, bn, jp, Lp, S,
+           GQ, GK, GF, BK, BV, PL, T, DOT, FAST, KV, DZ, SCB, True, ZS, DQC)
 
 
 def _chain_rows(q, W, f, dy, hs5: ct.IndexedWithInt64, dzs5: ct.IndexedWithInt64, dh_in4, dh_out4,
@@ -783,13 +789,13 @@ def _chain_rows(q, W, f, dy, hs5: ct.IndexedWithInt64, dzs5: ct.IndexedWithInt64
 def _grads_all(k, v, W, f, dy, hs: ct.IndexedWithInt64, gs: ct.IndexedWithInt64, dq, dk, dv, df, dwo,
                jp: int, Lp: int,
                N: C, GK: C, GW: C, GF: C, GS: C, BK: C, BV: C, TG: C, DOT: C, FAST: CB, KV: CB, SUB: C, RAG: CB,
-               PL: C, DQF: CB):
-    """WALK = "store", grid B*N x GS: ``_grads`` (with dq unless the forward took it, DQF) over piece jp (as
+               PL: C, DQG: CB):
+    """WALK = "store", grid B*N x GS: ``_grads`` (with dq when DQ = "grads", DQG) over piece jp (as
     ``_chain_all``), program bid(1) taking every GS-th chunk of TG steps; dW parts to dwo [B*N, PIPE*GS, BV,
     BV]."""
     bn, b, n, S, w = _program(v, W, N, GW, BV)
     _grads(k, v, w, f, dy, hs, gs, dq, dk, dv, df, dwo, b, n, bn, jp, Lp, ct.bid(1), S,
-           GK, GF, GS, BK, BV, PL, TG, DOT, FAST, KV, not DQF, SUB, RAG, True)
+           GK, GF, GS, BK, BV, PL, TG, DOT, FAST, KV, DQG, SUB, RAG, True)
 
 
 def _fwd_zs(k, v, W, f, h0, zs: ct.IndexedWithInt64, ck,
@@ -1015,8 +1021,12 @@ def _chain_reason(config: dict, shape: dict) -> str | None:
         if not (config["DZ_STORE"] or config["STORE"] == "z") or config["KV"] == "mma":
             return (f"C_ROWS={config['C_ROWS']}: the stacked chain loads dz (DZ_STORE or STORE=z) and takes "
                     f"KV=outer / fwd")
-    if not isinstance(config["DQ_FWD"], bool) or (config["DQ_FWD"] and (walk, config["STORE"]) != ("store", "h")):
-        return "DQ_FWD must be true or false, and false unless WALK=store with STORE=h"
+    if not isinstance(config["DQ"], str) or config["DQ"] not in DQS:
+        return f"DQ={config['DQ']!r} must be one of {', '.join(DQS)}"
+    if config["DQ"] != "grads" and (walk, config["STORE"]) != ("store", "h"):
+        return f"DQ={config['DQ']} applies to WALK=store with STORE=h (elsewhere DQ=grads)"
+    if config["DQ"] == "chain" and (config["DZ_STORE"] or config["C_ROWS"] > 1):
+        return "DQ=chain: the chain takes dq from the states and Z it recomputes: DZ_STORE=false, C_ROWS=1"
     if walk == "store" and (config["CKPT"], config["T_RE"]) != (STORE_CKPT, 0):
         return f"WALK=store keeps every state (no checkpoints): CKPT must stay {STORE_CKPT} and T_RE 0"
     if config["SCRATCH"] == "bfloat16" and (shape["dtype"] != "bfloat16" or config["DOT"] != "input"):
@@ -1058,7 +1068,7 @@ def _consts(config: dict, shape: dict) -> dict:
             "GS": config["G_SPLIT"], "DZ": config["DZ_STORE"], "SCB": config["SCRATCH"] == "bfloat16",
             "SUB": dw_sub(config, shape), "RAG": _ragged(config, shape), "PL": piece_len(config, shape),
             "ZS": config["STORE"] == "z", "CK": range_len(config, shape), "R": config["C_ROWS"],
-            "DQF": config["DQ_FWD"]}
+            "DQF": config["DQ"] == "fwd", "DQC": config["DQ"] == "chain", "DQG": config["DQ"] == "grads"}
 
 
 def piece_len(config: dict, shape: dict) -> int:
@@ -1093,9 +1103,9 @@ _CHAIN_CONSTS = ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "CKPT", "T", "TR", "TG
 _STORE_CONSTS = {"forward": ("N", "GK", "GW", "GF", "BK", "BV", "T_FWD", "HAS_H0", "DOT", "FAST", "KVF", "DZ", "SCB",
                              "DQF"),
                  "backward": ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "T", "DOT", "FAST", "KV", "DZ", "SCB", "PL",
-                              "ZS"),
+                              "ZS", "DQC"),
                  "gradients": ("N", "GK", "GW", "GF", "GS", "BK", "BV", "TG", "DOT", "FAST", "KV", "SUB", "RAG",
-                               "PL", "DQF")}
+                               "PL", "DQG")}
 # STORE = "z": the forward stores Z and range checkpoints, the gradients rebuild the states (no W there).
 _ZS_CONSTS = {"forward": ("N", "GK", "GW", "GF", "BK", "BV", "T_FWD", "HAS_H0", "DOT", "FAST", "KVF", "SCB", "CK"),
               "gradients": ("N", "GK", "GF", "GS", "BK", "BV", "TG", "DOT", "SUB", "PL", "CK")}
@@ -1192,7 +1202,8 @@ def _signatures(config: dict, shape: dict):
         big = _array(config["SCRATCH"], _scratch_dims(config, shape), index64=True)
         dzb = _array(config["SCRATCH"], _dz_dims(config, shape), index64=True)
         con = {name: [c[n] for n in names] for name, names in _store_consts(config).items()}
-        bwd = [_array(dt, (B, S, shape["Nq"], K)), k, v, W, f, dy, big, dzb, dh, dh, big, i32, i32] + con["backward"]
+        bwd = [_array(dt, (B, S, shape["Nq"], K)), k, v, W, f, dy, big, dzb, dh, dh, big, g(B, S, N, K), i32, i32] + \
+            con["backward"]
         if config["C_ROWS"] > 1:
             five = lambda d: _array(config["SCRATCH"], (B, N, *d[1:]) if d[0] == B * N else (1, *d), True)  # noqa: E731
             dh4 = g(B, N, bk, bv)
@@ -1360,7 +1371,7 @@ def build(config: dict, shape: dict):
                            five(w["dh"][(m + 1) % 2]), five(w["g"]), p, lp, *con["backward"]))
             else:
                 ct.launch(side, grid_fwd, bwd, (i["q"], i["k"], i["v"], i["W"], i["f"], i["dy"], w["h"], w["dz"],
-                                                w["dh"][m % 2], w["dh"][(m + 1) % 2], w["g"], p, lp,
+                                                w["dh"][m % 2], w["dh"][(m + 1) % 2], w["g"], w["dq"], p, lp,
                                                 *con["backward"]))
             if side is not stream:
                 w["events"][m].record(side)
