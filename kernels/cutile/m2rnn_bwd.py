@@ -110,6 +110,18 @@ results/logs/m2rnn-s10-device-7-*), none faster at b8_n84 than the 18.26 ms abov
     in tileiras' layouts (sm_90a AOT: 1907 instructions and 19 block barriers per chunk of 4 steps with
     [T, BK, BV] tiles, 1710 and 16 with the [BK, T*BV] tiles kept here, against 1320 and 7 for the
     stored states): gradients 17.9 ms against 7.5-11 ms, 25.0 ms in all.
+Two more (2026-11-23, night; H100 sweeps parity ok, rel L2 <= 0.0024; per-kernel profiles at PIPE 1 of the
+b8_n84 best in results/logs/m2rnn-s11-device-{5,10,15,20}-*):
+  - STEP_MMA (``_serial``): the serial products as a batch of one (mma.sync) instead of wgmma. No gain: the
+    forward 4.35 / 4.31 ms against 4.29, the chain 6.68 / 6.65; 18.33 / 18.32 ms in all (20261123T190734Z-*,
+    191532Z-*). The time is in the stores and the traffic, not in the wgmma waits.
+  - DQ: the kernel that takes dq. The gradient kernel is instruction-bound; dq's sum over V is about a
+    quarter of its chunk (sm_90a AOT: 1003 against 1320 instructions per chunk of 4 steps without it).
+    DQ = "fwd" (a sum over V per step in the storing forward): gradients 6.18 ms against 7.52, forward 5.22
+    against 4.31; 17.45 ms at b8_n84 (20261123T193100Z-*, then named DQ_FWD), the best of this lane there.
+    DQ = "chain" (per chunk from the chain's states and recomputed Z): the chain's 40 registers at
+    occupancy 6 spill (120 bytes of stack), chain 11.97 ms against 6.67; 18.50 ms at best (occupancy 4,
+    20261123T194309Z-*).
 Steps past a ragged S read zero q / k / v / dy and get f = 1, so they leave dH unchanged and add
 nothing; stores drop rows past S. K and V are padded to powers of two >= 16 (BK, BV): zero-padded
 loads keep padded rows / columns of H and dH at zero.
