@@ -118,7 +118,8 @@ b8_n84 best in results/logs/m2rnn-s11-device-{5,10,15,20}-*):
   - DQ: the kernel that takes dq. The gradient kernel is instruction-bound; dq's sum over V is about a
     quarter of its chunk (sm_90a AOT: 1003 against 1320 instructions per chunk of 4 steps without it).
     DQ = "fwd" (a sum over V per step in the storing forward): gradients 6.18 ms against 7.52, forward 5.22
-    against 4.31; 17.45 ms at b8_n84 (20261123T193100Z-*, then named DQ_FWD), the best of this lane there.
+    against 4.31; 17.45 ms at b8_n84 (20261123T193100Z-*, then named DQ_FWD) and 17.00, the best of this lane
+    there, with KV = fwd, G_SPLIT 8 and 3 gradient CTAs per SM (20261123T195200Z-*).
     DQ = "chain" (per chunk from the chain's states and recomputed Z): the chain's 40 registers at
     occupancy 6 spill (120 bytes of stack), chain 11.97 ms against 6.67; 18.50 ms at best (occupancy 4,
     20261123T194309Z-*).
