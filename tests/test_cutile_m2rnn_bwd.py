@@ -450,7 +450,16 @@ def test_schedule3_runs_each_role_once_per_segment_in_order():
                                           (cfg(WALK="store", T=4, T_FWD=2, T_G=8, G_SPLIT=2, DW="diag", PIPE=2,
                                                DQ="chain"), "float32"),
                                           (cfg(WALK="store", T=2, T_FWD=8, T_G=4, G_SPLIT=4, DW="diag", KV="fwd",
-                                               DQ="chain", SCRATCH="bfloat16"), "bfloat16")])
+                                               DQ="chain", SCRATCH="bfloat16"), "bfloat16"),
+                                          # the storing forward with one store per step (dq as one-hot
+                                          # products; dz per step too)
+                                          (cfg(WALK="store", T=2, T_FWD=8, T_G=4, G_SPLIT=4, DW="diag", KV="fwd",
+                                               DQ="fwd", FWD_STORE="step", SCRATCH="bfloat16", PIPE=2),
+                                           "bfloat16"),
+                                          (cfg(WALK="store", DZ_STORE=True, T=4, T_FWD=16, T_G=2, G_SPLIT=2,
+                                               DW="diag", DQ="fwd", FWD_STORE="step"), "float32"),
+                                          (cfg(WALK="store", T=2, T_FWD=4, T_G=4, G_SPLIT=2, DW="diag",
+                                               FWD_STORE="step"), "float32")])
 @pytest.mark.parametrize("S", [29, 32])
 def test_kernel_bodies_match_bptt(config, dtype, S, tile_methods):
     # S = 29: ragged (not a multiple of T or CKPT), rows past S masked; S = 32: every chunk full, no mask.

@@ -179,7 +179,7 @@ from lab.problems import _m2rnn as m2
 DSL = "cutile"
 KERNEL = "m2rnn_bwd"
 TUNABLES = ("CKPT", "T", "T_FWD", "T_RE", "KV", "WALK", "ROLES", "T_G", "G_SPLIT", "SCRATCH", "DZ_STORE", "DW",
-            "PIPE", "STORE", "C_ROWS", "STEP_MMA", "DQ", "DOT", "FAST_TANH", "num_worker_warps", "occupancy",
+            "PIPE", "STORE", "C_ROWS", "STEP_MMA", "DQ", "FWD_STORE", "DOT", "FAST_TANH", "num_worker_warps", "occupancy",
             "fwd_occupancy", "g_occupancy")
 # Default: WALK = "chain" at CKPT 128, T = 4, bf16 scratch, dz stored, 4 gradient programs per segment, the
 # fastest parity-ok config of the H100 sweep of 2026-11-23 at b2_n8: 3.82 ms (results/h100/m2rnn_bwd/
@@ -196,8 +196,8 @@ NEUTRAL = {"T_G": 8, "G_SPLIT": 1, "SCRATCH": "float32", "DZ_STORE": False, "DW"
 STORE_CKPT = 64
 DEFAULTS = {"CKPT": 128, "T": 4, "T_FWD": 16, "T_RE": 0, "KV": "outer", "WALK": "chain", "ROLES": "split",
             "T_G": 4, "G_SPLIT": 4, "SCRATCH": "bfloat16", "DZ_STORE": True, "DW": "pad", "PIPE": 1,
-            "STORE": "h", "C_ROWS": 1, "STEP_MMA": "2d", "DQ": "grads", "DOT": "input", "FAST_TANH": True,
-            "num_worker_warps": 0, "occupancy": 1, "fwd_occupancy": 3, "g_occupancy": 0}
+            "STORE": "h", "C_ROWS": 1, "STEP_MMA": "2d", "DQ": "grads", "FWD_STORE": "chunk", "DOT": "input",
+            "FAST_TANH": True, "num_worker_warps": 0, "occupancy": 1, "fwd_occupancy": 3, "g_occupancy": 0}
 TARGETS = tuple(f"sm_{a}a" if a in (90, 100, 103, 110, 120, 121) else f"sm_{a}" for a in ARCHS)
 DTYPES = ("float32", "bfloat16")
 DOTS = ("input", "tf32", "tf32x3", "ieee")
@@ -213,6 +213,7 @@ C_ROWS = (1, 2, 4, 8)
 # recompute step, 8 dH of the walks and the chain.
 STEP_MMAS = {"2d": 0, "batched": 12, "fwd": 4}
 DQS = ("grads", "fwd", "chain")
+FWD_STORES = ("chunk", "step")
 G_SPLITS = (1, 2, 4, 8, 16, 32, 64)
 KVS = ("outer", "mma", "fwd")
 CKPTS = (16, 32, 64, 128, 256)
@@ -735,14 +736,62 @@ def schedule3(nseg: int, S: int, ckpt: int) -> list[tuple[int, int, int, int, in
 
 def _fwd_store(k, v, W, f, dy, h0, hs: ct.IndexedWithInt64, dzs: ct.IndexedWithInt64, dq,
                N: C, GK: C, GW: C, GF: C, BK: C, BV: C, T: C, HAS_H0: CB, DOT: C, FAST: CB, KV: CB, DZ: CB,
-               SCB: CB, DQF: CB):
+               SCB: CB, DQF: CB, FS: CB, RAGF: CB):
     """WALK = "store", grid B*N: the forward through all S steps, storing every state before its step to
     hs [B*N, S, BK, BV] and, with DZ, (1 - f)(1 - Z^2) to dzs (int64 indexing: 2.8e9 elements at b8_n84);
-    with DQF (DQ = "fwd") dq_t = H_t dy_t to dq."""
+    with DQF (DQ = "fwd") dq_t = H_t dy_t to dq. Stacked per chunk (``_replay``) or with FS per step
+    (``_fwd_steps``)."""
     bn, b, n, S, w = _program(v, W, N, GW, BV)
     h = _initial_state(h0, b, n, BK, BV, HAS_H0)
-    _replay(k, v, w, f, h, hs, dzs, dy, dq, b, n, bn, 0, ct.cdiv(S, T), S, GK, GF, BK, BV, T, DOT, FAST, KV, DZ, SCB,
-            DQF)
+    if FS:
+        _fwd_steps(k, v, w, f, dy, h, hs, dzs, dq, b, n, bn, S, GK, GF, BK, BV, T, DOT, FAST, KV, DZ, SCB, DQF, RAGF)
+    else:
+        _replay(k, v, w, f, h, hs, dzs, dy, dq, b, n, bn, 0, ct.cdiv(S, T), S, GK, GF, BK, BV, T, DOT, FAST, KV, DZ,
+                SCB, DQF)
+
+
+def _fwd_steps(k, v, w, f, dy, h, hs, dzs, dq, b, n, bn, S, GK, GF, BK, BV, T, DOT, FAST, KV, DZ, SCB, DQF, RAGF):
+    """FWD_STORE = "step": ``_replay``'s forward with one [BK, BV] store per step straight from the step's
+    registers (no [T, BK, BV] stack: the forward lane's register budget, so more programs per SM), and dq
+    as a one-hot product per step into a [BK, T] accumulator: dq[:, i] += H_t (dy chunk [BV, T] with every
+    column but i zeroed), exact products of the bf16-rounded state (K = BV), one store per chunk. The
+    chunk's inputs are loaded one chunk ahead. With RAGF (S not a multiple of T) steps past S store
+    nothing (a tile wholly outside an array is undefined)."""
+    nch = ct.cdiv(S, T)
+    kc, vc, off = _pair(k, v, b, n // GK, n, 0, T, BK, BV, KV)
+    ff = _gates(f, b, n // GF, 0, T, S)
+    dyc = _cols(dy, b, n, 0, T, BV)
+    col = ct.arange(T, dtype=ct.int32).reshape((1, T))
+    for c in range(nch):
+        cn = min(c + 1, nch - 1)
+        kn, vn, offn = _pair(k, v, b, n // GK, n, cn, T, BK, BV, KV)
+        fn = _gates(f, b, n // GF, cn, T, S)
+        dyn = _cols(dy, b, n, cn, T, BV)
+        dqa = ct.zeros((BK, T), dtype=F32)
+        for i in ct.static_iter(range(T)):
+            t = c * T + i
+            _store_step(hs, bn, t, h, S, BK, BV, SCB, RAGF)
+            z, h = _step(h, w, kc, vc, off, ff, i, BK, BV, T, DOT, FAST, KV)
+            if DZ:
+                ft = ct.extract(ff, (0, i), (1, 1))
+                _store_step(dzs, bn, t, (1.0 - ft) * (1.0 - z * z), S, BK, BV, SCB, RAGF)
+            if DQF:
+                # A batch of one: mma.sync with both operands in registers (a wgmma reads B from shared
+                # memory, which the per-step mask would have to be written to, with a block barrier).
+                dqa = _prod(h.reshape((1, BK, BV)), ct.where(col == i, dyc, 0.0).reshape((1, BV, T)),
+                            dqa.reshape((1, BK, T)), DOT, True).reshape((BK, T))
+        if DQF:
+            ct.store(dq, (b, n, 0, c), dqa.reshape((1, 1, BK, T)), order=(0, 2, 3, 1))
+        kc, vc, off, ff, dyc = kn, vn, offn, fn, dyn
+
+
+def _store_step(x, bn, t, tile, S, BK, BV, SCB, RAGF):
+    """tile [BK, BV] as row t of x [B*N, S, BK, BV]; with RAGF only when t < S."""
+    if RAGF:
+        if t < S:
+            ct.store(x, (bn, t, 0, 0), _scr(tile, SCB).reshape((1, 1, BK, BV)))
+    else:
+        ct.store(x, (bn, t, 0, 0), _scr(tile, SCB).reshape((1, 1, BK, BV)))
 
 
 def _chain_all(q, k, v, W, f, dy, hs: ct.IndexedWithInt64, dzs: ct.IndexedWithInt64, dh_in, dh_out,
@@ -1040,6 +1089,13 @@ def _chain_reason(config: dict, shape: dict) -> str | None:
         return f"DQ={config['DQ']} applies to WALK=store with STORE=h (elsewhere DQ=grads)"
     if config["DQ"] == "chain" and (config["DZ_STORE"] or config["C_ROWS"] > 1):
         return "DQ=chain: the chain takes dq from the states and Z it recomputes: DZ_STORE=false, C_ROWS=1"
+    if not isinstance(config["FWD_STORE"], str) or config["FWD_STORE"] not in FWD_STORES:
+        return f"FWD_STORE={config['FWD_STORE']!r} must be one of {', '.join(FWD_STORES)}"
+    if config["FWD_STORE"] == "step":
+        if (walk, config["STORE"]) != ("store", "h"):
+            return "FWD_STORE=step applies to WALK=store with STORE=h"
+        if config["DQ"] == "fwd" and config["T_FWD"] < 8:
+            return f"FWD_STORE=step with DQ=fwd: dq's one-hot product has T_FWD={config['T_FWD']} columns, at least 8"
     if walk == "store" and (config["CKPT"], config["T_RE"]) != (STORE_CKPT, 0):
         return f"WALK=store keeps every state (no checkpoints): CKPT must stay {STORE_CKPT} and T_RE 0"
     if config["SCRATCH"] == "bfloat16" and (shape["dtype"] != "bfloat16" or config["DOT"] != "input"):
@@ -1081,7 +1137,8 @@ def _consts(config: dict, shape: dict) -> dict:
             "GS": config["G_SPLIT"], "DZ": config["DZ_STORE"], "SCB": config["SCRATCH"] == "bfloat16",
             "SUB": dw_sub(config, shape), "RAG": _ragged(config, shape), "PL": piece_len(config, shape),
             "ZS": config["STORE"] == "z", "CK": range_len(config, shape), "R": config["C_ROWS"],
-            "DQF": config["DQ"] == "fwd", "DQC": config["DQ"] == "chain", "DQG": config["DQ"] == "grads"}
+            "DQF": config["DQ"] == "fwd", "DQC": config["DQ"] == "chain", "DQG": config["DQ"] == "grads",
+            "FS": config["FWD_STORE"] == "step", "RAGF": shape["S"] % config["T_FWD"] != 0}
 
 
 def piece_len(config: dict, shape: dict) -> int:
@@ -1114,7 +1171,7 @@ _CHAIN_CONSTS = ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "CKPT", "T", "TR", "TG
 
 # KVF: the forward's KV (KV = "fwd": one-hot products there, broadcast ones in the chain and the gradients).
 _STORE_CONSTS = {"forward": ("N", "GK", "GW", "GF", "BK", "BV", "T_FWD", "HAS_H0", "DOT", "FAST", "KVF", "DZ", "SCB",
-                             "DQF"),
+                             "DQF", "FS", "RAGF"),
                  "backward": ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "T", "DOT", "FAST", "KV", "DZ", "SCB", "PL",
                               "ZS", "DQC"),
                  "gradients": ("N", "GK", "GW", "GF", "GS", "BK", "BV", "TG", "DOT", "FAST", "KV", "SUB", "RAG",
