@@ -167,6 +167,15 @@ def test_config_rules():
     assert lane.config_reason(cfg(DQ="chain", WALK="store"), shape) is None
     assert "DQ=chain" in lane.config_reason(cfg(DQ="chain", WALK="store", STORE="z", DW="diag"), shape)
     assert "DQ=chain" in lane.config_reason(cfg(DQ="chain", WALK="store", DZ_STORE=True), shape)
+    assert "FWD_STORE" in lane.config_reason(cfg(FWD_STORE="steps", WALK="store"), shape)
+    assert "FWD_STORE=step" in lane.config_reason(cfg(FWD_STORE="step", WALK="chain"), shape)
+    assert "FWD_STORE=step" in lane.config_reason(cfg(FWD_STORE="step", WALK="store", DQ="fwd", T_FWD=4), shape)
+    assert lane.config_reason(cfg(FWD_STORE="step", WALK="store", DQ="fwd", T_FWD=8), shape) is None
+    assert "CHAIN_Z=step" in lane.config_reason(cfg(CHAIN_Z="step", WALK="store", DZ_STORE=True), shape)
+    assert "CHAIN_Z=step" in lane.config_reason(cfg(CHAIN_Z="step", WALK="store", DQ="chain"), shape)
+    assert lane.config_reason(cfg(CHAIN_Z="step", WALK="store"), shape) is None
+    assert "PARTIALS" in lane.config_reason(cfg(PARTIALS="float16", WALK="store"), shape)
+    assert "PARTIALS=bfloat16" in lane.config_reason(cfg(PARTIALS="bfloat16", WALK="chain"), shape)
     assert "FAST_TANH" in lane.config_reason(cfg(FAST_TANH=1), shape)
     assert "num_worker_warps" in lane.config_reason(cfg(num_worker_warps=3), shape)
     assert "T_RE" in lane.config_reason(cfg(T_RE=32, CKPT=16), shape)
@@ -459,7 +468,19 @@ def test_schedule3_runs_each_role_once_per_segment_in_order():
                                           (cfg(WALK="store", DZ_STORE=True, T=4, T_FWD=16, T_G=2, G_SPLIT=2,
                                                DW="diag", DQ="fwd", FWD_STORE="step"), "float32"),
                                           (cfg(WALK="store", T=2, T_FWD=4, T_G=4, G_SPLIT=2, DW="diag",
-                                               FWD_STORE="step"), "float32")])
+                                               FWD_STORE="step"), "float32"),
+                                          # the chain's Z per step
+                                          (cfg(WALK="store", T=2, T_FWD=16, T_G=4, G_SPLIT=4, DW="diag", KV="fwd",
+                                               DQ="fwd", FWD_STORE="step", CHAIN_Z="step", SCRATCH="bfloat16",
+                                               PIPE=2), "bfloat16"),
+                                          (cfg(WALK="store", T=4, T_FWD=8, T_G=2, G_SPLIT=2, DW="diag",
+                                               CHAIN_Z="step", STEP_MMA="batched"), "float32"),
+                                          # bf16 per-value-head gradient buffers
+                                          (cfg(WALK="store", T=2, T_FWD=8, T_G=4, G_SPLIT=2, DW="diag", KV="fwd",
+                                               DQ="fwd", FWD_STORE="step", CHAIN_Z="step", PARTIALS="bfloat16",
+                                               SCRATCH="bfloat16"), "bfloat16"),
+                                          (cfg(WALK="store", STORE="z", T=2, T_FWD=4, T_G=2, G_SPLIT=4, DW="diag",
+                                               PARTIALS="bfloat16"), "bfloat16")])
 @pytest.mark.parametrize("S", [29, 32])
 def test_kernel_bodies_match_bptt(config, dtype, S, tile_methods):
     # S = 29: ragged (not a multiple of T or CKPT), rows past S masked; S = 32: every chunk full, no mask.

@@ -179,8 +179,8 @@ from lab.problems import _m2rnn as m2
 DSL = "cutile"
 KERNEL = "m2rnn_bwd"
 TUNABLES = ("CKPT", "T", "T_FWD", "T_RE", "KV", "WALK", "ROLES", "T_G", "G_SPLIT", "SCRATCH", "DZ_STORE", "DW",
-            "PIPE", "STORE", "C_ROWS", "STEP_MMA", "DQ", "FWD_STORE", "DOT", "FAST_TANH", "num_worker_warps", "occupancy",
-            "fwd_occupancy", "g_occupancy")
+            "PIPE", "STORE", "C_ROWS", "STEP_MMA", "DQ", "FWD_STORE", "CHAIN_Z", "PARTIALS", "DOT", "FAST_TANH",
+            "num_worker_warps", "occupancy", "fwd_occupancy", "g_occupancy")
 # Default: WALK = "chain" at CKPT 128, T = 4, bf16 scratch, dz stored, 4 gradient programs per segment, the
 # fastest parity-ok config of the H100 sweep of 2026-11-23 at b2_n8: 3.82 ms (results/h100/m2rnn_bwd/
 # 20261123T111757Z-*), against 5.89 for the chunk walk's best (20261123T031047Z-*). The step walk (WALK =
@@ -196,7 +196,8 @@ NEUTRAL = {"T_G": 8, "G_SPLIT": 1, "SCRATCH": "float32", "DZ_STORE": False, "DW"
 STORE_CKPT = 64
 DEFAULTS = {"CKPT": 128, "T": 4, "T_FWD": 16, "T_RE": 0, "KV": "outer", "WALK": "chain", "ROLES": "split",
             "T_G": 4, "G_SPLIT": 4, "SCRATCH": "bfloat16", "DZ_STORE": True, "DW": "pad", "PIPE": 1,
-            "STORE": "h", "C_ROWS": 1, "STEP_MMA": "2d", "DQ": "grads", "FWD_STORE": "chunk", "DOT": "input",
+            "STORE": "h", "C_ROWS": 1, "STEP_MMA": "2d", "DQ": "grads", "FWD_STORE": "chunk", "CHAIN_Z": "chunk",
+            "PARTIALS": "float32", "DOT": "input",
             "FAST_TANH": True, "num_worker_warps": 0, "occupancy": 1, "fwd_occupancy": 3, "g_occupancy": 0}
 TARGETS = tuple(f"sm_{a}a" if a in (90, 100, 103, 110, 120, 121) else f"sm_{a}" for a in ARCHS)
 DTYPES = ("float32", "bfloat16")
@@ -214,6 +215,8 @@ C_ROWS = (1, 2, 4, 8)
 STEP_MMAS = {"2d": 0, "batched": 12, "fwd": 4}
 DQS = ("grads", "fwd", "chain")
 FWD_STORES = ("chunk", "step")
+CHAIN_ZS = ("chunk", "step")
+PARTIALS = ("float32", "bfloat16")
 G_SPLITS = (1, 2, 4, 8, 16, 32, 64)
 KVS = ("outer", "mma", "fwd")
 CKPTS = (16, 32, 64, 128, 256)
@@ -252,6 +255,15 @@ def _prod(a, b, acc, DOT, B_EXACT):
         if not B_EXACT:
             acc = ct.mma(ah, (b - bh.astype(F32)).astype(ct.tfloat32), acc)
     return acc
+
+
+def _recompute_z(hs, w, acc, DOT, FAST, SCB):
+    """Z = tanh(H W + acc) for stacked states hs [T, BK, BV] as loaded from the scratch: with bf16 operands
+    (DOT input) and a bf16 scratch the loaded tile is the product's operand as it is (no round trip
+    through fp32, which cost the chain and the gradient kernel unpack and repack instructions)."""
+    if SCB and DOT % 4 == 0:
+        return _tanh(ct.mma(hs, w.astype(ct.bfloat16), acc), FAST)
+    return _tanh(_prod(hs.astype(F32), w, acc, DOT, True), FAST)
 
 
 def _serial(a, b, acc, DOT, B_EXACT, BIT):
@@ -415,7 +427,7 @@ def _replay(k, v, w, f, h, sc, dzo, dy, dq, b, n, bn, c0, nch, S, GK, GF, BK, BV
         if DZ:
             ct.store(dzo, (bn, c, 0, 0), _scr(dzs, SCB).reshape((1, T, BK, BV)))
         if DQ:
-            ct.store(dq, (b, n, cg, 0), dqs.reshape((1, 1, T, BK)), order=(0, 2, 1, 3))
+            ct.store(dq, (b, n, cg, 0), dqs.reshape((1, 1, T, BK)).astype(dq.dtype), order=(0, 2, 1, 3))
 
 
 def _scr(x, SCB):
@@ -565,14 +577,18 @@ def _walk_any(q, k, v, w, f, dy, sc, dh_in, dw_in, dh_out, dw_out, dk, dv, df, b
 
 
 def _chain(q, k, v, w, f, dy, sc, dzi, dh_in, dh_out, go, dq, b, n, bn, jc, Lc, S,
-           GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, KV, DZ, SCB, GL, ZS, DQ):
+           GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, KV, DZ, SCB, GL, ZS, DQ, ZSTEP):
     """WALK = "chain": only the serial chain of segment jc (Lc steps), per chunk of T from the last
     (GL: the scratch holds every step, indexed by the global chunk; else the segment's alone):
     G = dH + q dy^T, dX = dz G, dH = dX W^T + f G, with dz = (1 - f)(1 - Z^2) loaded from dzi (DZ) or
     recomputed per chunk from the states in sc (one batched product, off the chain), or with ZS from the
     forward's Z that sc then holds (rows past S read as zero: dz = 0 there, f being 1); the chunk's G
     stacked and stored to go. dk, dv, df and dW are left to ``_grads`` in the next launch. With DQ (Z
-    recomputed only) also dq_t = H_t dy_t, H_t = f H_{t-1} + (1 - f) Z, one batched sum per chunk into dq."""
+    recomputed only) also dq_t = H_t dy_t, H_t = f H_{t-1} + (1 - f) Z, one batched sum per chunk into dq.
+    ZSTEP (Z recomputed, no DQ): each step's Z as its own 2-D product inside the step loop, off the chain,
+    instead of one batched product per chunk. The batched one is a warp-level mma whose accumulator layout
+    is not the serial wgmma's, so dz went through shared memory with block barriers (sm_90a AOT at
+    b8_n84, T 2: 1048 against 1160 instructions, 4 against 7 block barriers, no spills)."""
     wt = ct.transpose(w)
     dH = ct.load(dh_in, (bn, 0, 0), (1, BK, BV)).reshape((BK, BV))
     per = CKPT // T
@@ -588,20 +604,29 @@ def _chain(q, k, v, w, f, dy, sc, dzi, dh_in, dh_out, go, dq, b, n, bn, jc, Lc, 
             z = ct.load(sc, (bn, cs, 0, 0), (1, T, BK, BV), padding_mode=ZERO).reshape((T, BK, BV)).astype(F32)
             dz = (1.0 - ff) * (1.0 - z * z)
         else:
-            hc = ct.load(sc, (bn, cs, 0, 0), (1, T, BK, BV)).reshape((T, BK, BV)).astype(F32)
-            z = _tanh(_prod(hc, w, _outer_stack(k, v, b, n // GK, n, cg, T, BK, BV, KV), DOT, True), FAST)
-            dz = (1.0 - ff) * (1.0 - z * z)
+            hraw = ct.load(sc, (bn, cs, 0, 0), (1, T, BK, BV)).reshape((T, BK, BV))
+            if not ZSTEP:
+                z = _recompute_z(hraw, w, _outer_stack(k, v, b, n // GK, n, cg, T, BK, BV, KV), DOT, FAST, SCB)
+                dz = (1.0 - ff) * (1.0 - z * z)
             if DQ:
+                hc = hraw.astype(F32)
                 dyr = _rows(dy, b, n, cg, T, BV).reshape((T, 1, BV))
                 dqc = ct.sum((ff * hc + (1.0 - ff) * z) * dyr, axis=2)
-                ct.store(dq, (b, n, cg, 0), dqc.reshape((1, 1, T, BK)), order=(0, 2, 1, 3))
+                ct.store(dq, (b, n, cg, 0), dqc.reshape((1, 1, T, BK)).astype(dq.dtype), order=(0, 2, 1, 3))
         qdy = _outer_stack(q, dy, b, n // GQ, n, cg, T, BK, BV, KV)
         gs = ct.zeros((T, BK, BV), dtype=F32)
+        if ZSTEP:
+            kvs = _outer_stack(k, v, b, n // GK, n, cg, T, BK, BV, KV)
         for ii in ct.static_iter(range(T)):
             i = T - 1 - ii
-            G = dH + ct.extract(qdy, (i, 0, 0), (1, BK, BV)).reshape((BK, BV))
-            dX = ct.extract(dz, (i, 0, 0), (1, BK, BV)).reshape((BK, BV)) * G
             ft = ct.extract(ff, (i, 0, 0), (1, 1, 1)).reshape((1, 1))
+            G = dH + ct.extract(qdy, (i, 0, 0), (1, BK, BV)).reshape((BK, BV))
+            if ZSTEP:
+                zi = _recompute_z(ct.extract(hraw, (i, 0, 0), (1, BK, BV)).reshape((BK, BV)), w,
+                                  ct.extract(kvs, (i, 0, 0), (1, BK, BV)).reshape((BK, BV)), DOT, FAST, SCB)
+                dX = (1.0 - ft) * (1.0 - zi * zi) * G
+            else:
+                dX = ct.extract(dz, (i, 0, 0), (1, BK, BV)).reshape((BK, BV)) * G
             dH = _serial(dX, wt, ft * G, DOT, True, 8)
             gs = ct.insert(gs, (i, 0, 0), G.reshape((1, BK, BV)))
         ct.store(go, (bn, cs, 0, 0), _scr(gs, SCB).reshape((1, T, BK, BV)))
@@ -609,7 +634,7 @@ def _chain(q, k, v, w, f, dy, sc, dzi, dh_in, dh_out, go, dq, b, n, bn, jc, Lc, 
 
 
 def _grads(k, v, w, f, dy, sc, gi, dq, dk, dv, df, dwo, b, n, bn, jg, Lg, part, S,
-           GK, GF, GS, BK, BV, CKPT, TG, DOT, FAST, KV, DQ, SUB, RAG, GL):
+           GK, GF, GS, BK, BV, CKPT, TG, DOT, FAST, KV, DQ, SUB, RAG, GL, SCB):
     """WALK = "chain": the gradients of segment jg that are not on the chain, from its states (sc) and
     the chain's G (gi), in chunks of TG steps; program ``part`` of GS takes chunks part, part + GS, ...
     Per chunk Z is recomputed (one batched product), dX = (1 - f)(1 - Z^2) G, and dk = dX v, dv = k^T dX,
@@ -647,7 +672,8 @@ def _grads(k, v, w, f, dy, sc, gi, dq, dk, dv, df, dwo, b, n, bn, jg, Lg, part, 
             kv = _outer_stack(k, v, b, n // GK, n, cg, TG, BK, BV, KV)
         else:
             kv = kr * vr
-        z = _tanh(_prod(hc, w, kv, DOT, True), FAST)
+        # Rows past S were never written (any bits): with RAG their Z comes from the zeroed states.
+        z = _recompute_z(hc if RAG else hraw, w, kv, DOT, FAST, SCB and not RAG)
         dxs = _grad_sums(hc, z, g, ff, kr, vr, dy, dq, dk, dv, df, b, n, cg, BK, BV, TG, DQ)
         if SUB:
             # bf16 operands straight from a bf16 scratch when no row needs zeroing (no round trip via fp32).
@@ -671,13 +697,15 @@ def _grad_sums(hc, z, g, ff, kr, vr, dy, dq, dk, dv, df, b, n, cg, BK, BV, TG, D
     dq = H_t dy_t (H_t = f H_{t-1} + (1 - f) Z), each one batched reduction and one store. Returns dX
     [TG, BK, BV]."""
     dxs = (1.0 - ff) * (1.0 - z * z) * g
-    ct.store(dk, (b, n, cg, 0), ct.sum(dxs * vr, axis=2).reshape((1, 1, TG, BK)), order=(0, 2, 1, 3))
-    ct.store(dv, (b, n, cg, 0), ct.sum(dxs * kr, axis=1).reshape((1, 1, TG, BV)), order=(0, 2, 1, 3))
-    ct.store(df, (b, n, cg), ct.sum(ct.sum(g * (hc - z), axis=2), axis=1).reshape((1, 1, TG)), order=(0, 2, 1))
+    ct.store(dk, (b, n, cg, 0), ct.sum(dxs * vr, axis=2).reshape((1, 1, TG, BK)).astype(dk.dtype), order=(0, 2, 1, 3))
+    ct.store(dv, (b, n, cg, 0), ct.sum(dxs * kr, axis=1).reshape((1, 1, TG, BV)).astype(dv.dtype), order=(0, 2, 1, 3))
+    ct.store(df, (b, n, cg),
+             ct.sum(ct.sum(g * (hc - z), axis=2), axis=1).reshape((1, 1, TG)).astype(df.dtype), order=(0, 2, 1))
     if DQ:
         hn = ff * hc + (1.0 - ff) * z
         dyr = _rows(dy, b, n, cg, TG, BV).reshape((TG, 1, BV))
-        ct.store(dq, (b, n, cg, 0), ct.sum(hn * dyr, axis=2).reshape((1, 1, TG, BK)), order=(0, 2, 1, 3))
+        ct.store(dq, (b, n, cg, 0),
+                 ct.sum(hn * dyr, axis=2).reshape((1, 1, TG, BK)).astype(dq.dtype), order=(0, 2, 1, 3))
     return dxs
 
 
@@ -711,7 +739,7 @@ def _seg3(q, k, v, W, f, dy, ckpt, h_re, h_ch, h_gr, dz_re, dz_ch, g_ch, g_gr, d
     if role == 0:
         if Lc > 0:
             _chain(q, k, v, w, f, dy, h_ch, dz_ch, dh_in, dh_out, g_ch, dk, b, n, bn, jc, Lc, S,
-                   GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, KV, DZ, SCB, False, False, False)
+                   GQ, GK, GF, BK, BV, CKPT, T, DOT, FAST, KV, DZ, SCB, False, False, False, False)
     elif role == 1:
         if Lr > 0:
             _recompute(k, v, w, f, ckpt, h_re, dz_re, b, n, bn, jr, Lr, S, GK, GF, BK, BV, CKPT, TR, DOT, FAST,
@@ -719,7 +747,7 @@ def _seg3(q, k, v, W, f, dy, ckpt, h_re, h_ch, h_gr, dz_re, dz_ch, g_ch, g_gr, d
     else:
         if Lg > 0:
             _grads(k, v, w, f, dy, h_gr, g_gr, dk, dk, dv, df, dwo, b, n, bn, jg, Lg, role - 2, S,
-                   GK, GF, GS, BK, BV, CKPT, TG, DOT, FAST, KV, False, SUB, RAG, False)
+                   GK, GF, GS, BK, BV, CKPT, TG, DOT, FAST, KV, False, SUB, RAG, False, SCB)
 
 
 def schedule3(nseg: int, S: int, ckpt: int) -> list[tuple[int, int, int, int, int, int]]:
@@ -781,7 +809,7 @@ def _fwd_steps(k, v, w, f, dy, h, hs, dzs, dq, b, n, bn, S, GK, GF, BK, BV, T, D
                 dqa = _prod(h.reshape((1, BK, BV)), ct.where(col == i, dyc, 0.0).reshape((1, BV, T)),
                             dqa.reshape((1, BK, T)), DOT, True).reshape((BK, T))
         if DQF:
-            ct.store(dq, (b, n, 0, c), dqa.reshape((1, 1, BK, T)), order=(0, 2, 3, 1))
+            ct.store(dq, (b, n, 0, c), dqa.reshape((1, 1, BK, T)).astype(dq.dtype), order=(0, 2, 3, 1))
         kc, vc, off, ff, dyc = kn, vn, offn, fn, dyn
 
 
@@ -797,13 +825,13 @@ def _store_step(x, bn, t, tile, S, BK, BV, SCB, RAGF):
 def _chain_all(q, k, v, W, f, dy, hs: ct.IndexedWithInt64, dzs: ct.IndexedWithInt64, dh_in, dh_out,
                gs: ct.IndexedWithInt64, dq, jp: int, Lp: int,
                N: C, GQ: C, GK: C, GW: C, GF: C, BK: C, BV: C, T: C, DOT: C, FAST: CB, KV: CB, DZ: CB, SCB: CB,
-               PL: C, ZS: CB, DQC: CB):
+               PL: C, ZS: CB, DQC: CB, ZSTEP: CB):
     """WALK = "store", grid B*N: ``_chain`` through piece jp (Lp steps from step jp*PL) in one program (dz
     loaded with DZ, from the stored Z in hs with ZS, else Z recomputed from the stored states), G to gs
     [B*N, S, BK, BV]; with DQC (DQ = "chain") dq too."""
     bn, b, n, S, w = _program(v, W, N, GW, BV)
     _chain(q, k, v, w, f, dy, hs, dzs, dh_in, dh_out, gs, dq, b, n, bn, jp, Lp, S,
-           GQ, GK, GF, BK, BV, PL, T, DOT, FAST, KV, DZ, SCB, True, ZS, DQC)
+           GQ, GK, GF, BK, BV, PL, T, DOT, FAST, KV, DZ, SCB, True, ZS, DQC, ZSTEP)
 
 
 def _chain_rows(q, W, f, dy, hs5: ct.IndexedWithInt64, dzs5: ct.IndexedWithInt64, dh_in4, dh_out4,
@@ -851,13 +879,13 @@ def _chain_rows(q, W, f, dy, hs5: ct.IndexedWithInt64, dzs5: ct.IndexedWithInt64
 def _grads_all(k, v, W, f, dy, hs: ct.IndexedWithInt64, gs: ct.IndexedWithInt64, dq, dk, dv, df, dwo,
                jp: int, Lp: int,
                N: C, GK: C, GW: C, GF: C, GS: C, BK: C, BV: C, TG: C, DOT: C, FAST: CB, KV: CB, SUB: C, RAG: CB,
-               PL: C, DQG: CB):
+               PL: C, DQG: CB, SCB: CB):
     """WALK = "store", grid B*N x GS: ``_grads`` (with dq when DQ = "grads", DQG) over piece jp (as
     ``_chain_all``), program bid(1) taking every GS-th chunk of TG steps; dW parts to dwo [B*N, PIPE*GS, BV,
     BV]."""
     bn, b, n, S, w = _program(v, W, N, GW, BV)
     _grads(k, v, w, f, dy, hs, gs, dq, dk, dv, df, dwo, b, n, bn, jp, Lp, ct.bid(1), S,
-           GK, GF, GS, BK, BV, PL, TG, DOT, FAST, KV, DQG, SUB, RAG, True)
+           GK, GF, GS, BK, BV, PL, TG, DOT, FAST, KV, DQG, SUB, RAG, True, SCB)
 
 
 def _fwd_zs(k, v, W, f, h0, zs: ct.IndexedWithInt64, ck,
@@ -914,11 +942,15 @@ def _grads_zs_all(k, v, f, dy, zs: ct.IndexedWithInt64, gs: ct.IndexedWithInt64,
         vr = _rows(v, b, n, cg, TG, BV).reshape((1, TG, BV))
         dyr = _rows(dy, b, n, cg, TG, BV).reshape((1, TG, BV))
         kc = _cols(k, b, n // GK, cg, TG, BK).reshape((BK, TG, 1))
-        ct.store(dk, (b, n, 0, cg), ct.sum(dx3 * vr, axis=2).reshape((1, 1, BK, TG)), order=(0, 2, 3, 1))
-        ct.store(dv, (b, n, cg, 0), ct.sum(dx3 * kc, axis=0).reshape((1, 1, TG, BV)), order=(0, 2, 1, 3))
-        ct.store(df, (b, n, cg), ct.sum(ct.sum(g3 * (h3 - z3), axis=2), axis=0).reshape((1, 1, TG)), order=(0, 2, 1))
+        ct.store(dk, (b, n, 0, cg),
+                 ct.sum(dx3 * vr, axis=2).reshape((1, 1, BK, TG)).astype(dk.dtype), order=(0, 2, 3, 1))
+        ct.store(dv, (b, n, cg, 0),
+                 ct.sum(dx3 * kc, axis=0).reshape((1, 1, TG, BV)).astype(dv.dtype), order=(0, 2, 1, 3))
+        ct.store(df, (b, n, cg),
+                 ct.sum(ct.sum(g3 * (h3 - z3), axis=2), axis=0).reshape((1, 1, TG)).astype(df.dtype), order=(0, 2, 1))
         hn = ff * h3 + (1.0 - ff) * z3
-        ct.store(dq, (b, n, 0, cg), ct.sum(hn * dyr, axis=2).reshape((1, 1, BK, TG)), order=(0, 2, 3, 1))
+        ct.store(dq, (b, n, 0, cg),
+                 ct.sum(hn * dyr, axis=2).reshape((1, 1, BK, TG)).astype(dq.dtype), order=(0, 2, 3, 1))
         dx = dx3.reshape((BK, TG * BV))
         for s in ct.static_iter(range(TG // SUB)):
             ha = ct.transpose(ct.extract(hc, (0, s), (BK, SUB * BV)))
@@ -1096,6 +1128,16 @@ def _chain_reason(config: dict, shape: dict) -> str | None:
             return "FWD_STORE=step applies to WALK=store with STORE=h"
         if config["DQ"] == "fwd" and config["T_FWD"] < 8:
             return f"FWD_STORE=step with DQ=fwd: dq's one-hot product has T_FWD={config['T_FWD']} columns, at least 8"
+    if not isinstance(config["CHAIN_Z"], str) or config["CHAIN_Z"] not in CHAIN_ZS:
+        return f"CHAIN_Z={config['CHAIN_Z']!r} must be one of {', '.join(CHAIN_ZS)}"
+    if config["CHAIN_Z"] == "step" and ((walk, config["STORE"], config["C_ROWS"]) != ("store", "h", 1)
+                                        or config["DZ_STORE"] or config["DQ"] == "chain"):
+        return ("CHAIN_Z=step: the chain recomputes Z per step: WALK=store, STORE=h, C_ROWS=1, DZ_STORE=false, "
+                "DQ grads or fwd")
+    if config["PARTIALS"] not in PARTIALS:
+        return f"PARTIALS={config['PARTIALS']!r} must be one of {', '.join(PARTIALS)}"
+    if config["PARTIALS"] != "float32" and (walk != "store" or shape["dtype"] != "bfloat16"):
+        return "PARTIALS=bfloat16 (per-value-head dq / dk / dv / df in bf16) applies to WALK=store with bf16 inputs"
     if walk == "store" and (config["CKPT"], config["T_RE"]) != (STORE_CKPT, 0):
         return f"WALK=store keeps every state (no checkpoints): CKPT must stay {STORE_CKPT} and T_RE 0"
     if config["SCRATCH"] == "bfloat16" and (shape["dtype"] != "bfloat16" or config["DOT"] != "input"):
@@ -1138,7 +1180,8 @@ def _consts(config: dict, shape: dict) -> dict:
             "SUB": dw_sub(config, shape), "RAG": _ragged(config, shape), "PL": piece_len(config, shape),
             "ZS": config["STORE"] == "z", "CK": range_len(config, shape), "R": config["C_ROWS"],
             "DQF": config["DQ"] == "fwd", "DQC": config["DQ"] == "chain", "DQG": config["DQ"] == "grads",
-            "FS": config["FWD_STORE"] == "step", "RAGF": shape["S"] % config["T_FWD"] != 0}
+            "FS": config["FWD_STORE"] == "step", "RAGF": shape["S"] % config["T_FWD"] != 0,
+            "ZSTEP": config["CHAIN_Z"] == "step"}
 
 
 def piece_len(config: dict, shape: dict) -> int:
@@ -1173,9 +1216,9 @@ _CHAIN_CONSTS = ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "CKPT", "T", "TR", "TG
 _STORE_CONSTS = {"forward": ("N", "GK", "GW", "GF", "BK", "BV", "T_FWD", "HAS_H0", "DOT", "FAST", "KVF", "DZ", "SCB",
                              "DQF", "FS", "RAGF"),
                  "backward": ("N", "GQ", "GK", "GW", "GF", "BK", "BV", "T", "DOT", "FAST", "KV", "DZ", "SCB", "PL",
-                              "ZS", "DQC"),
+                              "ZS", "DQC", "ZSTEP"),
                  "gradients": ("N", "GK", "GW", "GF", "GS", "BK", "BV", "TG", "DOT", "FAST", "KV", "SUB", "RAG",
-                               "PL", "DQG")}
+                               "PL", "DQG", "SCB")}
 # STORE = "z": the forward stores Z and range checkpoints, the gradients rebuild the states (no W there).
 _ZS_CONSTS = {"forward": ("N", "GK", "GW", "GF", "BK", "BV", "T_FWD", "HAS_H0", "DOT", "FAST", "KVF", "SCB", "CK"),
               "gradients": ("N", "GK", "GF", "GS", "BK", "BV", "TG", "DOT", "SUB", "PL", "CK")}
@@ -1272,7 +1315,9 @@ def _signatures(config: dict, shape: dict):
         big = _array(config["SCRATCH"], _scratch_dims(config, shape), index64=True)
         dzb = _array(config["SCRATCH"], _dz_dims(config, shape), index64=True)
         con = {name: [c[n] for n in names] for name, names in _store_consts(config).items()}
-        bwd = [_array(dt, (B, S, shape["Nq"], K)), k, v, W, f, dy, big, dzb, dh, dh, big, g(B, S, N, K), i32, i32] + \
+        part = lambda *s: _array(config["PARTIALS"], s)  # noqa: E731
+        grads = [part(B, S, N, K), part(B, S, N, V), part(B, S, N)]
+        bwd = [_array(dt, (B, S, shape["Nq"], K)), k, v, W, f, dy, big, dzb, dh, dh, big, grads[0], i32, i32] + \
             con["backward"]
         if config["C_ROWS"] > 1:
             five = lambda d: _array(config["SCRATCH"], (B, N, *d[1:]) if d[0] == B * N else (1, *d), True)  # noqa: E731
@@ -1286,7 +1331,7 @@ def _signatures(config: dict, shape: dict):
             gr = [k, v, f, dy, big, big, ckz, *grads[:1], *grads, g(*_dw_dims(config, shape)), i32, i32] + \
                 con["gradients"]
         else:
-            fwd = [k, v, W, f, dy, _array(dt, (B, N, K, V)), big, dzb, g(B, S, N, K)] + con["forward"]
+            fwd = [k, v, W, f, dy, _array(dt, (B, N, K, V)), big, dzb, grads[0]] + con["forward"]
             gr = [k, v, W, f, dy, big, big, *grads[:1], *grads, g(*_dw_dims(config, shape)), i32, i32] + \
                 con["gradients"]
     cc = CallingConvention.cutile_python_v1()
@@ -1336,11 +1381,12 @@ def build(config: dict, shape: dict):
 
     def alloc(dev):
         f32 = {"dtype": torch.float32, "device": dev}
+        part = {"dtype": getattr(torch, config["PARTIALS"]), "device": dev}
         work.clear()
         work.update(dev=dev, ckpt=torch.empty(B * N, nseg, bk, bv, **f32),
                     dh=[torch.zeros(B * N, bk, bv, **f32) for _ in range(2)],
-                    dq=torch.empty(B, S, N, K, **f32), dk=torch.empty(B, S, N, K, **f32),
-                    dv=torch.empty(B, S, N, V, **f32), df=torch.empty(B, S, N, **f32))
+                    dq=torch.empty(B, S, N, K, **part), dk=torch.empty(B, S, N, K, **part),
+                    dv=torch.empty(B, S, N, V, **part), df=torch.empty(B, S, N, **part))
         if store:
             scr = {"dtype": getattr(torch, config["SCRATCH"]), "device": dev}
             work.update(h=torch.empty(*_scratch_dims(config, shape), **scr),
