@@ -91,6 +91,15 @@ def test_chain_and_store_compile(target):
                    G_SPLIT=16, DW="diag", PIPE=8, KV="fwd", C_ROWS=2, occupancy=4, fwd_occupancy=2, g_occupancy=2)
         got = lane.compile_for(rows, _shape("b8_n84"), target)
         assert 0 < got["smem_bytes"] <= _LIMIT[target] and got["kernels"]["backward"]["stack_bytes"] == 0, got
+    # The b8_n84 H100 best of 2026-11-23 (late): per-step stores in the forward, Z per step in the chain, bf16
+    # per-head gradient buffers; on sm_90a neither the chain (40 registers) nor the gradients (80) spill.
+    best = cfg(WALK="store", SCRATCH="bfloat16", T=2, T_FWD=16, T_G=4, G_SPLIT=8, DW="diag", PIPE=8, KV="fwd",
+               STEP_MMA="fwd", DQ="fwd", FWD_STORE="step", CHAIN_Z="step", PARTIALS="bfloat16", occupancy=6,
+               fwd_occupancy=3, g_occupancy=3)
+    got = lane.compile_for(best, _shape("b8_n84"), target)
+    assert 0 < got["smem_bytes"] <= _LIMIT[target], got
+    if target == "sm_90a":
+        assert got["kernels"]["backward"]["stack_bytes"] == got["kernels"]["gradients"]["stack_bytes"] == 0, got
 
 
 def test_fast_tanh_is_mufu():
@@ -113,30 +122,53 @@ def test_fast_tanh_is_mufu():
     assert counts[True] > 0 and counts[False] == 0, counts
 
 
-def test_step_mma_batched_is_mma_sync():
-    """STEP_MMA is real: at the b8_n84 H100 best of 2026-11-23 (WALK = store) the storing forward and the
-    chain hold warpgroup wgmmas (HGMMA) with 2-D serial products and only warp-level HMMA where batched
-    (both kernels with "batched", the forward alone with "fwd"); the gradient kernel, whose products are
-    not serial, has the same wgmmas either way."""
+def _sass(config, shape):
+    """{kernel name: sm_90a SASS text} of a store-walk config (cuobjdump from the Triton wheel)."""
     import subprocess
     import triton
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not tool.exists():
         pytest.skip("no cuobjdump in the Triton wheel to read the SASS")
+    out = {}
+    for name, cubin in lane.compile_cubins(config, shape, "sm_90a", which=("forward", "backward", "gradients")).items():
+        path = Path(f"/tmp/_cutile_m2rnn_bwd_{os.getpid()}_{name}.cubin")
+        path.write_bytes(cubin)
+        try:
+            out[name] = subprocess.run([str(tool), "-sass", str(path)], capture_output=True, text=True,
+                                       check=True).stdout
+        finally:
+            path.unlink()
+    return out
+
+
+def test_chain_z_step_keeps_one_mma_layout():
+    """CHAIN_Z is real: at the b8_n84 H100 best of 2026-11-23 (13.92 ms) the chain with Z per step has only
+    warpgroup wgmmas (the per-step Z in the serial product's layout), the per-chunk recompute a warp-level
+    mma.sync too, whose accumulator layout sends dz through shared memory with more block barriers. The
+    storing forward with FWD_STORE = step holds one 16-byte global store per step and no shared-memory
+    store of the states (mma.sync for dq)."""
+    best = {**D, "CKPT": 64, "T": 2, "T_FWD": 16, "WALK": "store", "T_G": 4, "G_SPLIT": 8, "DZ_STORE": False,
+            "DW": "diag", "PIPE": 8, "KV": "fwd", "STEP_MMA": "fwd", "DQ": "fwd", "FWD_STORE": "step",
+            "CHAIN_Z": "step", "PARTIALS": "bfloat16", "occupancy": 6, "fwd_occupancy": 3, "g_occupancy": 3}
+    step = _sass(best, _shape("b8_n84"))
+    chunk = _sass({**best, "CHAIN_Z": "chunk"}, _shape("b8_n84"))
+    assert "HGMMA" in step["backward"] and "HMMA" not in step["backward"]
+    assert "HMMA" in chunk["backward"]
+    assert step["backward"].count("BAR.SYNC") < chunk["backward"].count("BAR.SYNC")
+    assert step["forward"].count("STG.E.128") == 16 and "HMMA" in step["forward"]
+
+
+def test_step_mma_batched_is_mma_sync():
+    """STEP_MMA is real: at the b8_n84 H100 best of 2026-11-23 (WALK = store) the storing forward and the
+    chain hold warpgroup wgmmas (HGMMA) with 2-D serial products and only warp-level HMMA where batched
+    (both kernels with "batched", the forward alone with "fwd"); the gradient kernel, whose products are
+    not serial, has the same wgmmas either way."""
     best = {**D, "CKPT": 64, "T": 2, "T_FWD": 8, "WALK": "store", "T_G": 4, "G_SPLIT": 16, "DZ_STORE": False,
             "DW": "diag", "PIPE": 8, "occupancy": 6, "fwd_occupancy": 3, "g_occupancy": 2}
     sass = {}
     for mode in lane.STEP_MMAS:
-        cubins = lane.compile_cubins({**best, "STEP_MMA": mode}, _shape("b8_n84"), "sm_90a",
-                                     which=("forward", "backward", "gradients"))
-        for name, cubin in cubins.items():
-            path = Path(f"/tmp/_cutile_m2rnn_bwd_{os.getpid()}_{mode}_{name}.cubin")
-            path.write_bytes(cubin)
-            try:
-                sass[mode, name] = subprocess.run([str(tool), "-sass", str(path)], capture_output=True, text=True,
-                                                  check=True).stdout
-            finally:
-                path.unlink()
+        for name, text in _sass({**best, "STEP_MMA": mode}, _shape("b8_n84")).items():
+            sass[mode, name] = text
     for mode, name in (("batched", "forward"), ("batched", "backward"), ("fwd", "forward")):
         assert "HGMMA" in sass["2d", name] and "HGMMA" not in sass[mode, name] and "HMMA" in sass[mode, name]
     assert sass["fwd", "backward"].count("HGMMA") == sass["2d", "backward"].count("HGMMA") > 0

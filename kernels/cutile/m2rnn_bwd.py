@@ -123,6 +123,27 @@ b8_n84 best in results/logs/m2rnn-s11-device-{5,10,15,20}-*):
     DQ = "chain" (per chunk from the chain's states and recomputed Z): the chain's 40 registers at
     occupancy 6 spill (120 bytes of stack), chain 11.97 ms against 6.67; 18.50 ms at best (occupancy 4,
     20261123T194309Z-*).
+Four more (2026-11-23, late; H100 sweeps parity ok, rel L2 <= 0.0029; per-kernel profiles at PIPE 1 of the
+b8_n84 best in results/logs/m2rnn-s12-device-{5,10,15}-*), which together bring b8_n84 to 13.92 ms:
+  - FWD_STORE = "step" (``_fwd_steps``): the storing forward keeps no [T, BK, BV] stack; each step's state
+    goes out as its own store and dq_t = H_t dy_t is a one-hot product per step into a [BK, T] accumulator
+    (a batch of one, mma.sync: a wgmma would read the per-step masked dy from shared memory behind a block
+    barrier). Forward 3.89 / 3.83 ms at T_FWD 8 / 16 against 4.82 for the stacked one; 15.91 ms in all
+    (20261123T211853Z-*). Storing dz per step as well (DZ_STORE) made the chain 5.13 ms but the forward
+    5.73: 16.16 at best (20261123T213511Z-*).
+  - The recompute takes the bf16 scratch tile as its mma operand as loaded (``_recompute_z``; it went
+    through fp32 and back): sm_90a AOT at b8_n84, 1160 against 1200 chain instructions and 1728 against
+    1824 gradient instructions, whose 112 bytes of spills at 80 registers went away.
+  - CHAIN_Z = "step": the chain recomputes each step's Z as a 2-D product in the step loop instead of one
+    batched product per chunk, whose warp-level accumulator layout differs from the serial wgmma's, so dz
+    crossed shared memory with block barriers (1048 against 1160 instructions, 4 against 7 barriers).
+    Chain 5.40 ms against 6.68, gradients 5.13 against 5.98; 14.35 ms at b8_n84 with CHAIN_Z step against
+    15.14 with chunk, both with the operand change (20261123T215007Z-*).
+  - PARTIALS = "bfloat16": the per-value-head dq / dk / dv / df buffers that the shared heads are summed
+    from (lab.problems._m2rnn.reduce_heads) in bf16, which halves the sums' reads: 0.29 ms of torch
+    reductions against 0.50. 13.92 ms at b8_n84 (rel L2 0.0029 against 0.0024 with fp32 buffers).
+  At the other shapes these b8_n84 seeds did not beat the earlier bests (b4_n44 5.86, ragged_h0 1.25,
+  b2_n8 4.44 ms; 20261123T215530Z-*, 215812Z-*, 220124Z-*).
 Steps past a ragged S read zero q / k / v / dy and get f = 1, so they leave dH unchanged and add
 nothing; stores drop rows past S. K and V are padded to powers of two >= 16 (BK, BV): zero-padded
 loads keep padded rows / columns of H and dH at zero.
@@ -153,6 +174,10 @@ occupancy hints. Tunables:
   DQ                WALK = store, STORE = h: which kernel takes dq_t = H_t dy_t: "grads", "fwd" (the storing
                     forward, a sum over V per step) or "chain" (per chunk from the states and the Z it
                     recomputes; no dz store)
+  FWD_STORE         WALK = store, STORE = h: the storing forward stacks a chunk's states and stores them once
+                    ("chunk") or stores each step's state from its registers ("step"; dq as one-hot products)
+  CHAIN_Z           WALK = store, STORE = h: the chain recomputes Z per chunk ("chunk") or per step ("step")
+  PARTIALS          WALK = store, bf16 inputs: dtype of the per-value-head dq / dk / dv / df buffers
   g_occupancy       WALK = store: the gradient kernel's CTAs-per-SM hint
   DOT               operands of the products for bf16 inputs: input (bf16, upstream's choice), tf32,
                     tf32x3 (hi/lo split, ~fp32), ieee (fp32 mma); fp32 inputs always use ieee
