@@ -145,8 +145,7 @@ def test_chain_z_step_keeps_one_mma_layout():
     """CHAIN_Z is real: at the b8_n84 H100 best of 2026-11-23 (13.92 ms) the chain with Z per step has only
     warpgroup wgmmas (the per-step Z in the serial product's layout), the per-chunk recompute a warp-level
     mma.sync too, whose accumulator layout sends dz through shared memory with more block barriers. The
-    storing forward with FWD_STORE = step holds one 16-byte global store per step and no shared-memory
-    store of the states (mma.sync for dq)."""
+    storing forward with FWD_STORE = step holds one 16-byte global store per step and an mma.sync (dq)."""
     best = {**D, "CKPT": 64, "T": 2, "T_FWD": 16, "WALK": "store", "T_G": 4, "G_SPLIT": 8, "DZ_STORE": False,
             "DW": "diag", "PIPE": 8, "KV": "fwd", "STEP_MMA": "fwd", "DQ": "fwd", "FWD_STORE": "step",
             "CHAIN_Z": "step", "PARTIALS": "bfloat16", "occupancy": 6, "fwd_occupancy": 3, "g_occupancy": 3}

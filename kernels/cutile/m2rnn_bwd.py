@@ -805,10 +805,10 @@ def _fwd_store(k, v, W, f, dy, h0, hs: ct.IndexedWithInt64, dzs: ct.IndexedWithI
 
 def _fwd_steps(k, v, w, f, dy, h, hs, dzs, dq, b, n, bn, S, GK, GF, BK, BV, T, DOT, FAST, KV, DZ, SCB, DQF, RAGF):
     """FWD_STORE = "step": ``_replay``'s forward with one [BK, BV] store per step from the step's registers
-    (one 16-byte global store per thread; no [T, BK, BV] stack and no per-chunk layout change), and dq
-    as a one-hot product per step into a [BK, T] accumulator: dq[:, i] += H_t (dy chunk [BV, T] with every
-    column but i zeroed), exact products of the bf16-rounded state (K = BV), one store per chunk. The
-    chunk's inputs are loaded one chunk ahead. With RAGF (S not a multiple of T) steps past S store
+    (no [T, BK, BV] stack: tileiras moves the step's tile to a store layout through shared memory, one block
+    barrier, then one 16-byte global store per thread), and dq as a one-hot product per step into a [BK, T]
+    accumulator: dq[:, i] += H_t (dy chunk [BV, T] with every column but i zeroed), exact products of the
+    bf16-rounded state (K = BV), one store per chunk. The chunk's inputs are loaded one chunk ahead. With RAGF (S not a multiple of T) steps past S store
     nothing (a tile wholly outside an array is undefined)."""
     nch = ct.cdiv(S, T)
     kc, vc, off = _pair(k, v, b, n // GK, n, 0, T, BK, BV, KV)
