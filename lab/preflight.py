@@ -97,6 +97,8 @@ def cheap_checks(lane: Lane, space: Space | None, config: dict, shape: dict, pro
     if reason:
         return Verdict(False, reason, "rules", smem_limit=limit)
     reason = mod.eligibility(profile.target) or mod.target_reason(config, profile.target)
+    shape_target = getattr(mod, "shape_target_reason", None)
+    reason = reason or (shape_target(config, shape, profile.target) if shape_target else None)
     if reason:
         return Verdict(False, reason, "target", smem_limit=limit)
     est = mod.smem_estimate(config, shape, profile.target)

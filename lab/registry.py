@@ -8,6 +8,7 @@ A lane module defines (see kernels/triton/gemm.py for a full example):
   config_reason(config, shape) -> str | None       arithmetic rules (no compile)
   eligibility(target) -> str | None                 does the lane have a path for this target
   target_reason(config, target) -> str | None       config rules that depend on the target
+  shape_target_reason(config, shape, target)         optional: rules that depend on both
   smem_estimate(config, shape, target) -> int | None  analytic shared memory per CTA, bytes
   compile_for(config, shape, target) -> dict        AOT compile, no GPU: {"smem_bytes", ...}
   build(config, shape) -> run(inputs, outputs) [-> optional dict of launch info]

@@ -1,8 +1,9 @@
 """Build one lane at named shapes, check every output against the problem's reference and time it.
 
-    python scripts/check_lane.py KERNEL DSL SHAPE[,SHAPE...] ['{"config": "json"}']
+    python scripts/check_lane.py KERNEL DSL SHAPE[,SHAPE...] ['{"config": "json"}' ...]
 
-Prints one line per output (rel_l2, rel_max) and the median time (ms) of a short CUDA-event loop.
+Per config and shape: one line per output (rel_l2, rel_max) and the median time (ms) of a short
+CUDA-event loop; a config that fails to build is reported and the next one runs.
 A debugging aid for lane authors on the GPU; the lab's tables come from `python -m lab sweep`."""
 from __future__ import annotations
 
@@ -17,9 +18,20 @@ from lab import parity, problems, registry, space
 
 def main() -> int:
     kernel, dsl, names = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
-    config = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
     problem = problems.get(kernel)
     mod = registry.get(dsl, kernel).module
+    bad = 0
+    for arg in sys.argv[4:] or ["{}"]:
+        print(f"config {arg}", flush=True)
+        try:
+            bad += _check(mod, problem, kernel, json.loads(arg), names)
+        except Exception as exc:  # noqa: BLE001  (report and go on to the next config)
+            bad += 1
+            print(f"  failed: {type(exc).__name__}: {str(exc)[:300]}")
+    return 1 if bad else 0
+
+
+def _check(mod, problem, kernel, config, names) -> int:
     bad = 0
     for name in names:
         shape = space.get_shape(kernel, name)
@@ -47,8 +59,9 @@ def main() -> int:
             ev[1].record()
             torch.cuda.synchronize()
             times.append(ev[0].elapsed_time(ev[1]))
-        print(f"  parity {'ok' if ok else 'FAILED'}; median {sorted(times)[10]:.4f} ms (20 calls, no L2 flush)")
-    return 1 if bad else 0
+        print(f"  parity {'ok' if ok else 'FAILED'}; median {sorted(times)[10]:.4f} ms (20 calls, no L2 flush)",
+              flush=True)
+    return bad
 
 
 if __name__ == "__main__":

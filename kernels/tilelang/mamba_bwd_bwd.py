@@ -8,49 +8,51 @@ every dS_c is known, each chunk's work (about ten GEMMs and all the elementwise 
 1. ``scan``: grid (H, B, N/scan_block_N * P/scan_block_P). Each CTA walks the chunks in reverse
    for one (block_N x block_P) tile of dS, writing dS_c (bf16, the GEMM operand dtype upstream uses
    too) to a workspace [B, H, nc, N, P], and its tile's part of sum(S_c * dS_c) from the fp32 dS
-   (DDA: with a bf16 dS the cancellation in that sum cost 1.5% rel. error at a 3-chunk shape). Per
-   step: the chunk's raw Q rows, angles, DOUT, Z and STATES tile are copied into shared memory (cp.async,
-   ``scan_stages`` steps ahead: the loads are off the serial path), then the q_hat tile (bias + rotary,
-   cos/sin once per (step, pair)) and the dy tile (Phi, SiLU gate, exp(DA_CS)) are built there and fed
-   to one GEMM. Tiling N and P gives B*H*tiles CTAs instead of B*H.
+   (DDA: a bf16 dS loses the cancellation in that sum). Per step: the chunk's raw Q rows, angles,
+   DOUT, Z and STATES tile are copied into shared memory (cp.async, ``scan_stages`` steps ahead), then
+   the q_hat tile (bias + rotary) and the dy tile (Phi, SiLU gate, exp(DA_CS)) are built there and
+   fed to one GEMM. Tiling N and P gives B*H*tiles CTAs instead of B*H. The scan never takes the
+   aggressive shared-memory merge (see ``_pass_configs``).
 2. ``chunk``: grid (nc, H, B), one CTA per chunk: all outputs except the cross-chunk sums, plus
    per-chunk partials of DMIMO_V [B,H,nc,R,P] and DD [B,H,nc] (workspaces). The same-step R x R terms
-   (QK_DOT into dPsiV, dqk into DK and DQ) ride in block-diagonal F x F operands of tensor-core GEMMs
-   rather than R-deep loops over shared memory per element, and DD is the trace of PsiV dy^T, which
-   the dkq GEMM already holds (H100, 2026-11-22, training shape: 4.05 -> 3.89 ms for this kernel; it
-   runs one 256-thread CTA per SM, 12.5% occupancy, limited by both registers and shared memory,
-   which is what ``lean_smem`` and ``min_blocks`` address).
-3. ``reduce``: grid (H, B): DMIMO_V and DD summed over chunks, DDA over scan tiles (deterministic,
-   no atomics).
+   (QK_DOT into dPsiV, dqk into DK and DQ) ride in block-diagonal F x F operands of tensor-core GEMMs,
+   and DD is the trace of PsiV dy^T, which the dkq GEMM already holds. Two forms (``chunk_form``):
+   classic keeps q, k unrotated and rotated as F x N tiles and stages dk_hat / dq_hat through an fp32
+   tile for the rotary gradients; rotated keeps only q_hat and rot(k), in N/2-column halves, and does
+   the rotary gradients in registers (see ``_rotated_chunk_program``).
+3. ``reduce``: grid (H, B): DDA on every step, DMIMO_V and DD summed over chunks (deterministic, no
+   atomics), one thread per output element.
+
+With ``pieces`` > 1 the scan and the chunk kernel run in that many ranges of chunks, the scan on a
+side stream, so that the chunk work of one range overlaps the scan of the next.
 
 Precision follows upstream: GEMM operands in the input dtype (bf16/fp16), fp32 accumulation, the
 elementwise math and every partial in fp32.
 
 Tunables:
+  chunk_form          classic / rotated (above)
+  pieces              ranges of chunks the scan and the chunk kernel run in (above)
   threads             threads of the chunk kernel (128 / 256 / 512)
   min_blocks          CTAs per SM the chunk kernel is compiled for (__launch_bounds__: 2 caps registers
                       at 65536 / (2 threads)); two are resident only if the shared memory fits too
   scan_threads        threads of the scan kernel (128 / 256 / 512)
   scan_block_N/P      dS tile of one scan CTA (divides N / P). Smaller tiles give more CTAs (what
-                      B*H = 32 needs) but recompute q_hat per P tile and dy per N tile; at B*H >= the
-                      SM count one tile per (batch, head) does the least work per serial step
+                      B*H = 32 needs) but recompute q_hat per P tile and dy per N tile
   scan_stages         T.Pipelined stages of the scan's chunk loop (0: no software pipelining)
   lkq_fp32            keep k_hat.q_hat (F x F, needed again for DSSDA) in fp32 shared memory; False
-                      stores it in the input dtype as upstream does (half the bytes: 8 KiB at
-                      C*R = 64, what brings the N = P = 64 chunk kernel under GB10's 99 KiB)
-  lean_smem           structural: stage dPsiV in the input dtype and recompute k_hat.q_hat for DSSDA
-                      (one more F x F x N GEMM) instead of keeping it across the dPsiV steps; the
-                      peak falls by F*P*2 + F*F*e bytes (24 KiB at the training shape), which lets
-                      two CTAs share an H100 SM there
+                      stores it in the input dtype as upstream does (half the bytes)
+  lean_smem           stage dPsiV in the input dtype and recompute k_hat.q_hat for DSSDA (one more
+                      F x F x N GEMM) instead of keeping it across the dPsiV steps
   swizzle             swizzled layouts for the chunk kernel's GEMM operand tiles
   tma                 False sets tl.disable_tma_lower
   warp_specialized    False sets tl.disable_warp_specialized
   fast_math           True sets tl.enable_fast_math (fast exp/sin/cos)
-  aggressive_smem_merge  True sets tl.enable_aggressive_shared_memory_merge (lifetime-based reuse
-                      of shared buffers: what fits the chunk kernel in GB10's 99 KiB at N = P = 64)
+  aggressive_smem_merge  True sets tl.enable_aggressive_shared_memory_merge for the chunk kernel
+                      (lifetime-based reuse of shared buffers)
 Chunk size C is a problem parameter (it fixes STATES and SEGSUM), not a tunable.
 """
 
+import functools
 import time
 
 import torch
@@ -58,12 +60,13 @@ import tilelang
 import tilelang.language as T
 
 from kernels.tilelang import _common as tl
+from kernels.tilelang import _smem_plan as smem_plan
 
 DSL = "tilelang"
 KERNEL = "mamba_bwd_bwd"
-TUNABLES = ("threads", "min_blocks", "scan_threads", "scan_block_N", "scan_block_P", "scan_stages", "lkq_fp32",
+TUNABLES = ("chunk_form", "pieces", "threads", "min_blocks", "scan_threads", "scan_block_N", "scan_block_P", "scan_stages", "lkq_fp32",
             "lean_smem", "swizzle", "tma", "warp_specialized", "fast_math", "aggressive_smem_merge")
-DEFAULTS = {"threads": 256, "min_blocks": 1, "scan_threads": 128, "scan_block_N": 64, "scan_block_P": 32,
+DEFAULTS = {"chunk_form": "classic", "pieces": 1, "threads": 256, "min_blocks": 1, "scan_threads": 128, "scan_block_N": 64, "scan_block_P": 32,
             "scan_stages": 2, "lkq_fp32": False, "lean_smem": False, "swizzle": True, "tma": False,
             "warp_specialized": False, "fast_math": True, "aggressive_smem_merge": True}
 TARGETS = tl.TARGETS
@@ -101,6 +104,13 @@ def config_reason(config: dict, shape: dict) -> str | None:
         return f"C*R={F}, N={shape['N']}, P={shape['P']} too small for {warps} warps (16x16 of each product per warp)"
     if c["scan_block_N"] * c["scan_block_P"] < (c["scan_threads"] // 32) * 256:
         return f"scan tile {c['scan_block_N']}x{c['scan_block_P']} too small for {c['scan_threads'] // 32} warps"
+    if (c["scan_block_N"], c["scan_block_P"], c["scan_threads"]) == (32, 128, 512):
+        return ("scan tile 32x128 at 512 threads: TileLang 0.1.15 cannot reduce its DDA row sums (ReduceOp: "
+                "source index depends on a thread-owned reduce segment)")
+    if c["chunk_form"] not in ("classic", "rotated"):
+        return f"chunk_form={c['chunk_form']!r} must be classic or rotated"
+    if c["pieces"] not in (1, 2, 4, 8, 16):
+        return f"pieces={c['pieces']} must be 1, 2, 4, 8 or 16"
     return None
 
 
@@ -109,66 +119,65 @@ def eligibility(target: str) -> str | None:
 
 
 def target_reason(config: dict, target: str) -> str | None:
+    """Rules that depend on the target; the TileLang 0.1.15 failures are the compiler's, checked on the
+    CPU for every scan tile and chunk form of the space (tests/test_tilelang_mamba.py)."""
     c = {**DEFAULTS, **config}
+    sm90 = tl.cc(target) == 90
     if tl.cc(target) < 90 and (c["tma"] or c["warp_specialized"]):
         return f"tma / warp_specialized are sm_90+ features; leave them false on {target}"
+    if sm90 and c["scan_block_N"] == 128:
+        return ("scan_block_N=128 on sm_90: TileLang 0.1.15 cannot reduce the DDA row sums of a 128-row wgmma "
+                "accumulator (ReduceOp: source index depends on a thread-owned reduce segment)")
     return None
 
 
-def _pass_configs(config: dict) -> dict:
-    return tl.pass_configs(config["tma"], config["warp_specialized"], config["aggressive_smem_merge"],
-                           config["fast_math"])
+def shape_target_reason(config: dict, shape: dict, target: str) -> str | None:
+    """Rules that depend on both the shape and the target."""
+    c = {**DEFAULTS, **config}
+    if tl.cc(target) == 90 and c["chunk_form"] == "rotated" and shape["N"] < 64:
+        return (f"chunk_form=rotated at N={shape['N']} on sm_90: its N/2-column tiles are under the 32 columns "
+                "TileLang 0.1.15 can lay out for wgmma (layout conflict on qh_lo); use chunk_form=classic")
+    return None
+
+
+def _pass_configs(config: dict, kernel: str) -> dict:
+    """Pass configs of one of the three kernels. Only the chunk kernel takes the aggressive merge: in
+    the scan, TileLang 0.1.15's planner gave dy_s the memory of z_raw / do_raw, which the loop that
+    writes dy_s still reads (scan_stages = 0: every config, every shape), so dS came out wrong."""
+    merge = config["aggressive_smem_merge"] and kernel == "chunk"
+    return tl.pass_configs(config["tma"], config["warp_specialized"], merge, config["fast_math"])
+
+
+# The scan's T.Pipelined copies, in the order its prologue first touches them (TileLang 0.1.15).
+_SCAN_PIPELINED = ("st_raw", "ang_raw", "q_raw", "do_raw", "z_raw", "da_raw")
+# Config keys that change the shared buffers (or their alignment) of each kernel.
+_SMEM_KEYS = {"chunk": ("chunk_form", "lean_smem", "lkq_fp32", "aggressive_smem_merge", "tma"),
+              "scan": ("scan_block_N", "scan_block_P", "scan_stages", "scan_threads", "tma")}
 
 
 def smem_estimate(config: dict, shape: dict, target: str) -> int:
-    """Shared memory per CTA of the chunk kernel (the largest of the three), bytes.
-
-    A liveness model of its shared buffers (``_buffers``: size and the steps where each is live;
-    e = element size of the dtype, F = C*R): q, q_hat, k, k_hat (e F N each), PsiV and dy (e F P),
-    dS_c and STATES (e N P, never live together), the masked F x F operand (e F F), k_hat.q_hat kept
-    for DSSDA (e or 4 bytes x F F), the block-diagonal same-step operand of DK / DQ (e F F), dPsiV and
-    the fp32 dk/dq staging tile, per-step scalars, exp(SEGSUM), cos/sin, QK_DOT, the same-step terms
-    and the angle gradients. TileLang 0.1.15 reuses shared buffers
-    whose lifetimes do not overlap (with or without tl.enable_aggressive_shared_memory_merge for this
-    kernel), so the figure is the largest live set over the steps, 16-byte aligned per buffer, plus
-    768 B on sm_90 (measured: every sm_90a build is 768 B above its sm_121a twin).
-    Measured against the compiler (tests/test_tilelang_mamba.py): exact for the GB10 shape on sm_90a and
-    sm_121a and for the N=64 shapes (both lkq variants); the planner packs less tightly than the model at
-    N=128 (h100_tuned: 1.2% above it, 13% with lkq_fp32, where the fp32 F x F buffer is not at the
-    peak step)."""
+    """Dynamic shared memory per CTA of the largest of the three kernels (the chunk kernel or the
+    scan), bytes, without compiling: TileLang's planner replayed on each kernel's own program
+    (kernels/tilelang/_smem_plan.py): the chunk kernel at statement granularity (aggressive merge),
+    the scan with every buffer live across its chunk loop (the merge is off there), its pipelined
+    copies times scan_stages and the reduction workspaces of its DDA row sums (scan_threads * 4 bytes
+    each: one on sm_90 when a single warpgroup holds the wgmma accumulator, else two).
+    Tested equal to the compiler for sm_90a and sm_121a (tests/test_tilelang_mamba.py)."""
     c = {**DEFAULTS, **config}
-    return _merged(_buffers(c, shape)) + (768 if tl.cc(target) == 90 else 0)
+    shape_key = tuple(sorted(shape.items()))
+    return max(_planned(k, tuple(c[x] for x in _SMEM_KEYS[k]), shape_key, target) for k in _SMEM_KEYS)
 
 
-def _align(n: int) -> int:
-    return (n + 15) // 16 * 16
-
-
-def _buffers(config: dict, shape: dict) -> dict:
-    """name -> (bytes, (first step, last step)) of the chunk kernel's shared buffers. Steps: 0 loads,
-    1 dPsiV, 2 DV / DMIMO_V, 3 dkq, DSSDA, the same-step terms and DD, 4 the dk_hat GEMMs (last use of
-    PsiV and dS_c) and DDA_CS_REV, 5 dk_hat staged, its angle gradient, DK and DFACTOR, 6 (unused),
-    7 dq_hat (STATES loaded here), 8 DQ and DANGLES."""
-    C, R, N, P = shape["C"], shape["R"], shape["N"], shape["P"]
-    F, nr = C * R, N // shape["rd"]
-    e = 2
-    lean = config["lean_smem"]
-    return {
-        "qp": (e * F * N, (0, 8)), "qh": (e * F * N, (0, 7)), "kp": (e * F * N, (0, 8)),
-        "kh": (e * F * N, (0, 7)), "psiv": (e * F * P, (0, 4)), "dy": (e * F * P, (0, 7)),
-        "ds": (e * N * P, (0, 4)), "st": (e * N * P, (7, 7)), "w": (e * F * F, (1, 7)),
-        "prod": ((4 if config["lkq_fp32"] else e) * F * F, (3, 3) if lean else (1, 3)), "pv": (4 * F * R, (3, 3)),
-        "dpsiv": ((e if lean else 4) * F * P, (1, 2)), "wd": (e * F * F, (4, 8)), "g": (4 * F * N, (5, 8)),
-        "rows": (4 * F, (4, 7)), "scal": (4 * 4 * C, (0, 8)), "seg": (4 * C * C, (0, 3)),
-        "cs": (4 * 2 * C * nr, (0, 8)), "qkd": (4 * F * R, (0, 3)), "ang": (4 * F * nr, (5, 8)),
-    }
-
-
-def _merged(sizes: dict) -> int:
-    peak = 0
-    for step in range(9):
-        peak = max(peak, sum(_align(b) for b, (lo, hi) in sizes.values() if lo <= step <= hi))
-    return peak
+@functools.lru_cache(maxsize=1024)
+def _planned(kernel: str, key: tuple, shape_key: tuple, target: str) -> int:
+    config, shape = {**DEFAULTS, **dict(zip(_SMEM_KEYS[kernel], key))}, dict(shape_key)
+    program = _PROGRAMS[kernel](config, shape)
+    if kernel == "chunk":
+        return smem_plan.planned_bytes(program, target, config["aggressive_smem_merge"])
+    threads = config["scan_threads"]
+    one_warpgroup_wgmma = tl.cc(target) == 90 and threads == 128 and config["scan_block_N"] % 64 == 0
+    return smem_plan.planned_bytes(program, target, False, {n: max(config["scan_stages"], 1) for n in _SCAN_PIPELINED},
+                                   ("ds_s", [threads * 4] * (1 if one_warpgroup_wgmma else 2)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -194,6 +203,8 @@ def _dy_value(DOUT, Z, MIMO_O, MIMO_Z, b, t, r, h, p, shape):
 
 
 def _scan_program(config: dict, shape: dict):
+    """dS scan over the chunks [c_hi - L, c_hi) in reverse, L = nc / pieces: the first piece starts
+    from dS = 0, later ones from the fp32 dS the previous piece left in DS_CARRY."""
     B, S, H, G, N, P, R, C, nc, nr, F = _dims(shape)
     dtype = shape["dtype"]
     bn, bp, threads, stages = config["scan_block_N"], config["scan_block_P"], config["scan_threads"], config["scan_stages"]
@@ -202,6 +213,8 @@ def _scan_program(config: dict, shape: dict):
     half = N // 2
     reduceO, hasZ = shape["reduceO"], shape["hasZ"]
     dout_shape = (B, S, H, P) if reduceO else (B, S, R, H, P)
+    pieces = _pieces(config, shape)
+    L = nc // pieces
 
     @T.prim_func
     def scan(Q: T.Tensor((B, S, R, G, N), dtype), Q_BIAS: T.Tensor((H, R, N), F32),
@@ -209,7 +222,7 @@ def _scan_program(config: dict, shape: dict):
              DOUT: T.Tensor(dout_shape, dtype), Z: T.Tensor((B, S, H, P), dtype),
              MIMO_O: T.Tensor((H, R, P), F32), MIMO_Z: T.Tensor((H, R, P), F32),
              STATES: T.Tensor((B, H, nc, N, P), "bfloat16"), DSTATES: T.Tensor((B, H, nc, N, P), dtype),
-             DDA_PART: T.Tensor((B, H, nc, tiles), F32)):
+             DDA_PART: T.Tensor((B, H, nc, tiles), F32), DS_CARRY: T.Tensor((B, H, N, P), F32), c_hi: T.int32):
         with T.Kernel(H, B, tiles, threads=threads) as (h, b, tile):
             hq = h // (H // G)
             n0 = (tile // tiles_p) * bn
@@ -238,9 +251,12 @@ def _scan_program(config: dict, shape: dict):
             T.copy(Q_BIAS[h, :, :], qb_s)
             T.copy(MIMO_O[h, :, p0:p0 + bp], mo_s)
             T.copy(MIMO_Z[h, :, p0:p0 + bp], mz_s)
-            T.clear(ds_f)
-            for it in T.Pipelined(nc, num_stages=stages):
-                c = nc - 1 - it
+            if pieces > 1:
+                T.copy(DS_CARRY[b, h, n0:n0 + bn, p0:p0 + bp], ds_f)
+            else:
+                T.clear(ds_f)
+            for it in T.Pipelined(L, num_stages=stages):
+                c = (c_hi if pieces > 1 else nc) - 1 - it      # static when whole: no bounds guards
                 T.copy(Q[b, c * C:(c + 1) * C, :, hq, :], q_raw)
                 T.copy(ANGLES[b, c * C:(c + 1) * C, h, :], ang_raw)
                 T.copy(DA_CS[b, h, c * C:(c + 1) * C], da_raw)
@@ -290,17 +306,105 @@ def _scan_program(config: dict, shape: dict):
                 for i, j in T.Parallel(bn, bp):
                     ds_f[i, j] = ds_f[i, j] * T.exp(da_raw[C - 1])
                 T.gemm(qh_s, dy_s, ds_f, transpose_A=True)
+            if pieces > 1:
+                T.copy(ds_f, DS_CARRY[b, h, n0:n0 + bn, p0:p0 + bp])
 
     return scan
 
 
-def _chunk_macros(C: int, R: int, N: int, nr: int):
-    """Macros of the chunk kernel's steps that run once for the k side and once for the q side."""
-    F, half = C * R, N // 2
+def _pieces(config: dict, shape: dict) -> int:
+    """Pieces the scan and the chunk kernel run in: the largest divisor of the chunk count that is
+    at most ``pieces`` (a chunk count it does not divide, as at the small parity shapes, takes fewer)."""
+    nc = shape["S"] // shape["C"]
+    return max(k for k in range(1, config["pieces"] + 1) if nc % k == 0)
+
+
+def _chunk_macros(shape: dict):
+    """Macros the two chunk-kernel forms share (inlined where called)."""
+    B, S, H, G, N, P, R, C, nc, nr, F = _dims(shape)
+    half = N // 2
+
+    @T.macro
+    def step_tables(b, h, c, t0, DA_CS, DA_CS_REV, DT, TRAP, SEGSUM, ANGLES, QK_DOT, ea_s, er_s, gam_s, fac_s,
+                    seg_s, cos_s, sin_s, qkd_s):
+        """Per-step scalars (exp(DA_CS), exp(DA_CS_REV), gamma, factor), exp(SEGSUM) masked to s < t,
+        cos / sin of the chunk's angles and QK_DOT, all fp32 in shared memory."""
+        for t in T.Parallel(C):
+            ea_s[t] = T.exp(DA_CS[b, h, t0 + t])
+            er_s[t] = T.exp(DA_CS_REV[b, h, t0 + t])
+            g = DT[b, h, t0 + t] * T.sigmoid(T.cast(TRAP[b, h, t0 + t], F32))
+            nxt = T.min(t0 + t + 1, S - 1)
+            sh = T.if_then_else(t0 + t + 1 < S, DT[b, h, nxt] * T.sigmoid(-T.cast(TRAP[b, h, nxt], F32)), 0.0)
+            gam_s[t] = g
+            fac_s[t] = g + sh
+        for t, s in T.Parallel(C, C):
+            seg_s[t, s] = T.if_then_else(s < t, T.exp(SEGSUM[b, h, c, t, s]), 0.0)
+        for t, j in T.Parallel(C, nr):
+            cos_s[t, j] = T.cos(ANGLES[b, t0 + t, h, j])
+            sin_s[t, j] = T.sin(ANGLES[b, t0 + t, h, j])
+        for f, i in T.Parallel(F, R):
+            qkd_s[f, i] = T.cast(QK_DOT[b, h, t0 + f // R, f % R, i], F32)
+
+    @T.macro
+    def value_tiles(b, h, t0, V, MIMO_V, DOUT, Z, MIMO_O, MIMO_Z, psiv_s, dy_s):
+        """PsiV = V_t * Psi_r and dy = dL/dy (Phi, SiLU gate) as F x P GEMM operands."""
+        for f, p in T.Parallel(F, P):
+            psiv_s[f, p] = T.cast(V[b, t0 + f // R, h, p], F32) * MIMO_V[h, f % R, p]
+            dy_s[f, p] = _dy_value(DOUT, Z, MIMO_O, MIMO_Z, b, t0 + f // R, f % R, h, p, shape)
+
+    @T.macro
+    def dv_dmv(b, h, c, t0, V, MIMO_V, DV, DMV_PART, dpsiv_s, dv_f, dmv_f):
+        """DV = sum_r dPsiV * Psi_r and this chunk's DMIMO_V partial sum_t dPsiV * V_t."""
+        T.clear(dv_f)
+        for t, p in T.Parallel(C, P):
+            for r in T.serial(R):
+                dv_f[t, p] = dv_f[t, p] + dpsiv_s[t * R + r, p] * MIMO_V[h, r, p]
+        T.copy(dv_f, DV[b, t0:t0 + C, h, :])
+        T.clear(dmv_f)
+        for r, p in T.Parallel(R, P):
+            for t in T.serial(C):
+                dmv_f[r, p] = dmv_f[r, p] + dpsiv_s[t * R + r, p] * T.cast(V[b, t0 + t, h, p], F32)
+        T.copy(dmv_f, DMV_PART[b, h, c, :, :])
+
+    @T.macro
+    def dkq_terms(b, h, c, t0, lean, DSSDA, DD_PART, DGAMMA_DIAG, acc_ff, lkq_f, prod_s, w_s, pv_s, wd_s, seg_s,
+                  gam_s, qkd_s, cc_f, row_f, one_d, c_f):
+        """From dkq = PsiV dy^T in acc_ff (row s, column t) and k_hat.q_hat (lkq_f, or kept in prod_s):
+        DSSDA, the masked dkq (w_s), the same-step products pv and their block-diagonal operand wd_s,
+        the DD partial and DGAMMA_DIAG."""
+        for i, j in T.Parallel(F, F):
+            if lean:
+                prod_s[i, j] = lkq_f[i, j] * acc_ff[i, j]
+            else:
+                prod_s[i, j] = T.cast(prod_s[i, j], F32) * acc_ff[i, j]
+            w_s[i, j] = acc_ff[i, j] * seg_s[j // R, i // R]
+            if i // R == j // R:
+                # same-step block: pv[t, o, i'] = dy_{t,o} . PsiV_{t,i'} = dkq[t*R + i', t*R + o]
+                pv_s[j, i % R] = acc_ff[i, j]
+        T.clear(cc_f)
+        for s, t in T.Parallel(C, C):
+            for ri in T.serial(R):
+                for ro in T.serial(R):
+                    cc_f[s, t] = cc_f[s, t] + T.cast(prod_s[s * R + ri, t * R + ro], F32)
+        T.copy(cc_f, DSSDA[b, h, c, :, :])
+        for i, j in T.Parallel(F, F):
+            wd_s[i, j] = T.if_then_else(i // R == j // R, gam_s[i // R] * pv_s[j, i % R], 0.0)
+        if shape["hasD"]:
+            # DD partial: sum over the chunk of PsiV . dy, the diagonal of dkq (pv[f, f % R])
+            for f in T.Parallel(F):
+                row_f[f] = pv_s[f, f % R]
+            T.reduce_sum(row_f, one_d, dim=0)
+            T.copy(one_d, DD_PART[b, h, c:c + 1])
+        T.clear(c_f)
+        for t in T.Parallel(C):
+            for o in T.serial(R):
+                for i in T.serial(R):
+                    c_f[t] = c_f[t] + qkd_s[t * R + o, i] * pv_s[t * R + o, i]
+        T.copy(c_f, DGAMMA_DIAG[b, h, t0:t0 + C])
 
     @T.macro
     def per_step_row_sum(prod_fn, row_f, rows_s, c_f, out):
-        """out[t] = sum over the R fused rows of step t and the N columns of prod_fn ([F, N] fragment)."""
+        """out[t] = sum over the R fused rows of step t and the columns of prod_fn ([F, X] fragment)."""
         T.reduce_sum(prod_fn, row_f, dim=1)
         T.copy(row_f, rows_s)
         T.clear(c_f)
@@ -334,35 +438,68 @@ def _chunk_macros(C: int, R: int, N: int, nr: int):
             sn = sin_s[f // R, T.min(m, nr - 1)]
             out[f, n] = T.if_then_else(m < nr, g_s[f, n] * cs + sgn * g_s[f, partner] * sn, g_s[f, n])
 
-    return per_step_row_sum, angle_grad, rotate_back
+    @T.macro
+    def angles_out(b, t0, h, DANGLES, ang_s, ang_f):
+        """DANGLES = the angle gradients of the R ranks of each step, summed."""
+        T.clear(ang_f)
+        for t, j in T.Parallel(C, nr):
+            for r in T.serial(R):
+                ang_f[t, j] = ang_f[t, j] + ang_s[t * R + r, j]
+        T.copy(ang_f, DANGLES[b, t0:t0 + C, h, :])
+
+    return dict(step_tables=step_tables, value_tiles=value_tiles, dv_dmv=dv_dmv, dkq_terms=dkq_terms,
+                per_step_row_sum=per_step_row_sum, angle_grad=angle_grad, rotate_back=rotate_back,
+                angles_out=angles_out)
+
+
+def _chunk_signature(shape: dict):
+    """The chunk kernel's tensors (both forms take the same arguments)."""
+    B, S, H, G, N, P, R, C, nc, nr, F = _dims(shape)
+    dtype = shape["dtype"]
+    dout_shape = (B, S, H, P) if shape["reduceO"] else (B, S, R, H, P)
+    return dict(
+        Q=T.Tensor((B, S, R, G, N), dtype), K=T.Tensor((B, S, R, G, N), dtype), V=T.Tensor((B, S, H, P), dtype),
+        Q_BIAS=T.Tensor((H, R, N), F32), K_BIAS=T.Tensor((H, R, N), F32), MIMO_V=T.Tensor((H, R, P), F32),
+        MIMO_O=T.Tensor((H, R, P), F32), MIMO_Z=T.Tensor((H, R, P), F32), Z=T.Tensor((B, S, H, P), dtype),
+        D=T.Tensor((H,), F32), ANGLES=T.Tensor((B, S, H, nr), F32), DA_CS=T.Tensor((B, H, S), F32),
+        DA_CS_REV=T.Tensor((B, H, S), F32), DT=T.Tensor((B, H, S), F32), TRAP=T.Tensor((B, H, S), dtype),
+        STATES=T.Tensor((B, H, nc, N, P), "bfloat16"), QK_DOT=T.Tensor((B, H, S, R, R), dtype),
+        SEGSUM=T.Tensor((B, H, nc, C, C), F32), DOUT=T.Tensor(dout_shape, dtype),
+        DSTATES=T.Tensor((B, H, nc, N, P), dtype), DQ=T.Tensor((B, S * R, H, N), dtype),
+        DK=T.Tensor((B, S * R, H, N), dtype), DV=T.Tensor((B, S, H, P), dtype), DANGLES=T.Tensor((B, S, H, nr), F32),
+        DFACTOR=T.Tensor((B, H, S), F32), DGAMMA_DIAG=T.Tensor((B, H, S), F32), DDA_CS=T.Tensor((B, H, S), F32),
+        DDA_CS_REV=T.Tensor((B, H, S), F32), DSSDA=T.Tensor((B, H, nc, C, C), F32),
+        DMV_PART=T.Tensor((B, H, nc, R, P), F32), DD_PART=T.Tensor((B, H, nc), F32))
 
 
 def _chunk_program(config: dict, shape: dict):
+    return (_rotated_chunk_program if config["chunk_form"] == "rotated" else _classic_chunk_program)(config, shape)
+
+
+def _classic_chunk_program(config: dict, shape: dict):
+    """Chunk kernel, classic form: q and k kept unrotated (qp, kp) and rotated (qh, kh = rot(k) *
+    factor) as F x N tiles; dk_hat / dq_hat staged through an fp32 F x N tile (g_s) for the rotary
+    gradients."""
     B, S, H, G, N, P, R, C, nc, nr, F = _dims(shape)
     dtype = shape["dtype"]
     threads = config["threads"]
     lean = config["lean_smem"]
     half = N // 2
-    hasD, hasZ = shape["hasD"], shape["hasZ"]
-    dout_shape = (B, S, H, P) if shape["reduceO"] else (B, S, R, H, P)
-    _per_step_row_sum, _angle_grad, _rotate_back = _chunk_macros(C, R, N, nr)
+    hasD = shape["hasD"]
+    m = _chunk_macros(shape)
+    sig = _chunk_signature(shape)
 
     @T.prim_func
-    def chunk(Q: T.Tensor((B, S, R, G, N), dtype), K: T.Tensor((B, S, R, G, N), dtype),
-              V: T.Tensor((B, S, H, P), dtype), Q_BIAS: T.Tensor((H, R, N), F32), K_BIAS: T.Tensor((H, R, N), F32),
-              MIMO_V: T.Tensor((H, R, P), F32), MIMO_O: T.Tensor((H, R, P), F32), MIMO_Z: T.Tensor((H, R, P), F32),
-              Z: T.Tensor((B, S, H, P), dtype), D: T.Tensor((H,), F32), ANGLES: T.Tensor((B, S, H, nr), F32),
-              DA_CS: T.Tensor((B, H, S), F32), DA_CS_REV: T.Tensor((B, H, S), F32), DT: T.Tensor((B, H, S), F32),
-              TRAP: T.Tensor((B, H, S), dtype), STATES: T.Tensor((B, H, nc, N, P), "bfloat16"),
-              QK_DOT: T.Tensor((B, H, S, R, R), dtype), SEGSUM: T.Tensor((B, H, nc, C, C), F32),
-              DOUT: T.Tensor(dout_shape, dtype), DSTATES: T.Tensor((B, H, nc, N, P), dtype),
-              DQ: T.Tensor((B, S * R, H, N), dtype), DK: T.Tensor((B, S * R, H, N), dtype),
-              DV: T.Tensor((B, S, H, P), dtype), DANGLES: T.Tensor((B, S, H, nr), F32),
-              DFACTOR: T.Tensor((B, H, S), F32), DGAMMA_DIAG: T.Tensor((B, H, S), F32),
-              DDA_CS: T.Tensor((B, H, S), F32), DDA_CS_REV: T.Tensor((B, H, S), F32),
-              DSSDA: T.Tensor((B, H, nc, C, C), F32), DMV_PART: T.Tensor((B, H, nc, R, P), F32),
-              DD_PART: T.Tensor((B, H, nc), F32)):
-        with T.Kernel(nc, H, B, threads=threads) as (c, h, b):
+    def chunk(Q: sig["Q"], K: sig["K"], V: sig["V"], Q_BIAS: sig["Q_BIAS"], K_BIAS: sig["K_BIAS"],
+              MIMO_V: sig["MIMO_V"], MIMO_O: sig["MIMO_O"], MIMO_Z: sig["MIMO_Z"], Z: sig["Z"], D: sig["D"],
+              ANGLES: sig["ANGLES"], DA_CS: sig["DA_CS"], DA_CS_REV: sig["DA_CS_REV"], DT: sig["DT"],
+              TRAP: sig["TRAP"], STATES: sig["STATES"], QK_DOT: sig["QK_DOT"], SEGSUM: sig["SEGSUM"],
+              DOUT: sig["DOUT"], DSTATES: sig["DSTATES"], DQ: sig["DQ"], DK: sig["DK"], DV: sig["DV"],
+              DANGLES: sig["DANGLES"], DFACTOR: sig["DFACTOR"], DGAMMA_DIAG: sig["DGAMMA_DIAG"],
+              DDA_CS: sig["DDA_CS"], DDA_CS_REV: sig["DDA_CS_REV"], DSSDA: sig["DSSDA"],
+              DMV_PART: sig["DMV_PART"], DD_PART: sig["DD_PART"], c_lo: T.int32):
+        with T.Kernel(nc // _pieces(config, shape), H, B, threads=threads) as (ci, h, b):
+            c = c_lo + ci if _pieces(config, shape) > 1 else ci
             if config["min_blocks"] > 1:
                 T.annotate_min_blocks_per_sm(config["min_blocks"])
             hq = h // (H // G)
@@ -397,8 +534,7 @@ def _chunk_program(config: dict, shape: dict):
 
             acc_fp = T.alloc_fragment((F, P), F32)
             acc_ff = T.alloc_fragment((F, F), F32)
-            if lean:
-                lkq_f = T.alloc_fragment((F, F), F32)
+            lkq_f = T.alloc_fragment((F, F), F32) if lean else None
             acc_fn = T.alloc_fragment((F, N), F32)
             tmp_fn = T.alloc_fragment((F, N), F32)
             row_f = T.alloc_fragment((F,), F32)
@@ -409,43 +545,26 @@ def _chunk_program(config: dict, shape: dict):
             dmv_f = T.alloc_fragment((R, P), F32)
             ang_f = T.alloc_fragment((C, nr), F32)
 
-            # ---- per-step scalars and small tables
-            for t in T.Parallel(C):
-                ea_s[t] = T.exp(DA_CS[b, h, t0 + t])
-                er_s[t] = T.exp(DA_CS_REV[b, h, t0 + t])
-                g = DT[b, h, t0 + t] * T.sigmoid(T.cast(TRAP[b, h, t0 + t], F32))
-                nxt = T.min(t0 + t + 1, S - 1)
-                sh = T.if_then_else(t0 + t + 1 < S, DT[b, h, nxt] * T.sigmoid(-T.cast(TRAP[b, h, nxt], F32)), 0.0)
-                gam_s[t] = g
-                fac_s[t] = g + sh
-            for t, s in T.Parallel(C, C):
-                seg_s[t, s] = T.if_then_else(s < t, T.exp(SEGSUM[b, h, c, t, s]), 0.0)
-            for t, j in T.Parallel(C, nr):
-                cos_s[t, j] = T.cos(ANGLES[b, t0 + t, h, j])
-                sin_s[t, j] = T.sin(ANGLES[b, t0 + t, h, j])
-            for f, i in T.Parallel(F, R):
-                qkd_s[f, i] = T.cast(QK_DOT[b, h, t0 + f // R, f % R, i], F32)
-
+            m["step_tables"](b, h, c, t0, DA_CS, DA_CS_REV, DT, TRAP, SEGSUM, ANGLES, QK_DOT, ea_s, er_s, gam_s,
+                             fac_s, seg_s, cos_s, sin_s, qkd_s)
             # ---- operand tiles
             for f, n in T.Parallel(F, N):
                 qp_s[f, n] = T.cast(Q[b, t0 + f // R, f % R, hq, n], F32) + Q_BIAS[h, f % R, n]
                 kp_s[f, n] = T.cast(K[b, t0 + f // R, f % R, hq, n], F32) + K_BIAS[h, f % R, n]
-            for f, p in T.Parallel(F, P):
-                psiv_s[f, p] = T.cast(V[b, t0 + f // R, h, p], F32) * MIMO_V[h, f % R, p]
-                dy_s[f, p] = _dy_value(DOUT, Z, MIMO_O, MIMO_Z, b, t0 + f // R, f % R, h, p, shape)
+            m["value_tiles"](b, h, t0, V, MIMO_V, DOUT, Z, MIMO_O, MIMO_Z, psiv_s, dy_s)
             T.copy(DSTATES[b, h, c, :, :], ds_s)
             for f, n in T.Parallel(F, N):
-                m = n % half
+                mm = n % half
                 partner = T.if_then_else(n < half, n + half, n - half)
                 sgn = T.if_then_else(n < half, -1.0, 1.0)
-                cs = cos_s[f // R, T.min(m, nr - 1)]
-                sn = sin_s[f // R, T.min(m, nr - 1)]
+                cs = cos_s[f // R, T.min(mm, nr - 1)]
+                sn = sin_s[f // R, T.min(mm, nr - 1)]
                 xq = T.cast(qp_s[f, n], F32)
                 yq = T.cast(qp_s[f, partner], F32)
                 xk = T.cast(kp_s[f, n], F32)
                 yk = T.cast(kp_s[f, partner], F32)
-                qh_s[f, n] = T.if_then_else(m < nr, xq * cs + sgn * yq * sn, xq)
-                kh_s[f, n] = T.if_then_else(m < nr, xk * cs + sgn * yk * sn, xk) * fac_s[f // R]
+                qh_s[f, n] = T.if_then_else(mm < nr, xq * cs + sgn * yq * sn, xq)
+                kh_s[f, n] = T.if_then_else(mm < nr, xk * cs + sgn * yk * sn, xk) * fac_s[f // R]
 
             # ---- dPsiV = exp(DA_CS_REV) k_hat dS + (masked k_hat q_hat^T) dy + D dy + diagonal
             T.gemm(kh_s, ds_s, acc_fp, clear_accum=True)
@@ -464,67 +583,29 @@ def _chunk_program(config: dict, shape: dict):
                 for f, p in T.Parallel(F, P):
                     acc_fp[f, p] = acc_fp[f, p] + D[h] * T.cast(dy_s[f, p], F32)
             T.copy(acc_fp, dpsiv_s)
-
-            # ---- DV and DMIMO_V partials
-            T.clear(dv_f)
-            for t, p in T.Parallel(C, P):
-                for r in T.serial(R):
-                    dv_f[t, p] = dv_f[t, p] + dpsiv_s[t * R + r, p] * MIMO_V[h, r, p]
-            T.copy(dv_f, DV[b, t0:t0 + C, h, :])
-            T.clear(dmv_f)
-            for r, p in T.Parallel(R, P):
-                for t in T.serial(C):
-                    dmv_f[r, p] = dmv_f[r, p] + dpsiv_s[t * R + r, p] * T.cast(V[b, t0 + t, h, p], F32)
-            T.copy(dmv_f, DMV_PART[b, h, c, :, :])
+            m["dv_dmv"](b, h, c, t0, V, MIMO_V, DV, DMV_PART, dpsiv_s, dv_f, dmv_f)
 
             # ---- dkq = PsiV dy^T (row s, column t): DSSDA, the same-step diagonal, masked copy
             T.gemm(psiv_s, dy_s, acc_ff, transpose_B=True, clear_accum=True)
             if lean:
                 T.gemm(kh_s, qh_s, lkq_f, transpose_B=True, clear_accum=True)     # lkq again, not kept
-            for i, j in T.Parallel(F, F):
-                if lean:
-                    prod_s[i, j] = lkq_f[i, j] * acc_ff[i, j]
-                else:
-                    prod_s[i, j] = T.cast(prod_s[i, j], F32) * acc_ff[i, j]
-                w_s[i, j] = acc_ff[i, j] * seg_s[j // R, i // R]
-                if i // R == j // R:
-                    # same-step block: pv[t, o, i'] = dy_{t,o} . PsiV_{t,i'} = dkq[t*R + i', t*R + o]
-                    pv_s[j, i % R] = acc_ff[i, j]
-            T.clear(cc_f)
-            for s, t in T.Parallel(C, C):
-                for ri in T.serial(R):
-                    for ro in T.serial(R):
-                        cc_f[s, t] = cc_f[s, t] + T.cast(prod_s[s * R + ri, t * R + ro], F32)
-            T.copy(cc_f, DSSDA[b, h, c, :, :])
-            for i, j in T.Parallel(F, F):
-                wd_s[i, j] = T.if_then_else(i // R == j // R, gam_s[i // R] * pv_s[j, i % R], 0.0)
-            if hasD:
-                # DD partial: sum over the chunk of PsiV . dy, the diagonal of dkq (pv[f, f % R])
-                for f in T.Parallel(F):
-                    row_f[f] = pv_s[f, f % R]
-                T.reduce_sum(row_f, one_d, dim=0)
-                T.copy(one_d, DD_PART[b, h, c:c + 1])
-            T.clear(c_f)
-            for t in T.Parallel(C):
-                for o in T.serial(R):
-                    for i in T.serial(R):
-                        c_f[t] = c_f[t] + qkd_s[t * R + o, i] * pv_s[t * R + o, i]
-            T.copy(c_f, DGAMMA_DIAG[b, h, t0:t0 + C])
+            m["dkq_terms"](b, h, c, t0, lean, DSSDA, DD_PART, DGAMMA_DIAG, acc_ff, lkq_f, prod_s, w_s, pv_s, wd_s,
+                           seg_s, gam_s, qkd_s, cc_f, row_f, one_d, c_f)
 
             # ---- dk_hat = exp(DA_CS_REV) PsiV dS^T + masked dkq q_hat; DDA_CS_REV, DFACTOR, DK
             T.gemm(psiv_s, ds_s, acc_fn, transpose_B=True, clear_accum=True)
             for f, n in T.Parallel(F, N):
                 tmp_fn[f, n] = acc_fn[f, n] * T.cast(kh_s[f, n], F32)
-            _per_step_row_sum(tmp_fn, row_f, rows_s, c_f, DDA_CS_REV[b, h, t0:t0 + C])
+            m["per_step_row_sum"](tmp_fn, row_f, rows_s, c_f, DDA_CS_REV[b, h, t0:t0 + C])
             for f, n in T.Parallel(F, N):
                 acc_fn[f, n] = acc_fn[f, n] * er_s[f // R]
             T.gemm(w_s, qh_s, acc_fn)
             T.copy(acc_fn, g_s)                                                  # dk_hat (rotated frame)
-            _angle_grad(g_s, kp_s, cos_s, sin_s, fac_s, ang_s, True)
-            _rotate_back(g_s, cos_s, sin_s, tmp_fn)
+            m["angle_grad"](g_s, kp_s, cos_s, sin_s, fac_s, ang_s, True)
+            m["rotate_back"](g_s, cos_s, sin_s, tmp_fn)
             for f, n in T.Parallel(F, N):
                 acc_fn[f, n] = tmp_fn[f, n] * T.cast(kp_s[f, n], F32)
-            _per_step_row_sum(acc_fn, row_f, rows_s, c_f, DFACTOR[b, h, t0:t0 + C])
+            m["per_step_row_sum"](acc_fn, row_f, rows_s, c_f, DFACTOR[b, h, t0:t0 + C])
             for f, n in T.Parallel(F, N):
                 acc_fn[f, n] = fac_s[f // R] * tmp_fn[f, n]
             T.gemm(wd_s, qp_s, acc_fn)                                           # same-step terms
@@ -535,25 +616,225 @@ def _chunk_program(config: dict, shape: dict):
             T.gemm(dy_s, st_s, acc_fn, transpose_B=True, clear_accum=True)
             for f, n in T.Parallel(F, N):
                 tmp_fn[f, n] = acc_fn[f, n] * T.cast(qh_s[f, n], F32)
-            _per_step_row_sum(tmp_fn, row_f, rows_s, c_f, DDA_CS[b, h, t0:t0 + C])
+            m["per_step_row_sum"](tmp_fn, row_f, rows_s, c_f, DDA_CS[b, h, t0:t0 + C])
             for f, n in T.Parallel(F, N):
                 acc_fn[f, n] = acc_fn[f, n] * ea_s[f // R]
             T.gemm(w_s, kh_s, acc_fn, transpose_A=True)
             T.copy(acc_fn, g_s)                                                  # dq_hat
-            _angle_grad(g_s, qp_s, cos_s, sin_s, fac_s, ang_s, False)
-            T.clear(ang_f)
-            for t, j in T.Parallel(C, nr):
-                for r in T.serial(R):
-                    ang_f[t, j] = ang_f[t, j] + ang_s[t * R + r, j]
-            T.copy(ang_f, DANGLES[b, t0:t0 + C, h, :])
-            _rotate_back(g_s, cos_s, sin_s, acc_fn)
+            m["angle_grad"](g_s, qp_s, cos_s, sin_s, fac_s, ang_s, False)
+            m["angles_out"](b, t0, h, DANGLES, ang_s, ang_f)
+            m["rotate_back"](g_s, cos_s, sin_s, acc_fn)
             T.gemm(wd_s, kp_s, acc_fn, transpose_A=True)                         # same-step terms
             T.copy(acc_fn, DQ[b, c * F:(c + 1) * F, h, :])
 
     return chunk
 
 
+def _rotated_chunk_program(config: dict, shape: dict):
+    """Chunk kernel, rotated form: only q_hat = rot(q) and k_rot = rot(k) live in shared memory, each
+    as two F x N/2 tiles holding the columns [0, N/2) and [N/2, N), so that a rotary pair (n, N/2 + n)
+    sits at the same index of the two halves and every GEMM result on them comes as two fragments
+    with one layout: the rotary gradients and the inverse rotation are elementwise in registers.
+
+    Identities that keep the unrotated tiles out (all rows of one step share an angle and a factor):
+    k_hat = factor * k_rot enters as a row scale of the products; the same-step terms go through the
+    rotated tiles, dk = rot^T(factor dk_hat + wd q_hat), dq = rot^T(dq_hat + wd^T k_rot); DFACTOR is
+    the row sum of dk_hat * k_rot; the angle gradient of a pair is g_hi x0 - g_lo x1 with (x0, x1)
+    the ROTATED pair (times factor on the k side)."""
+    B, S, H, G, N, P, R, C, nc, nr, F = _dims(shape)
+    dtype = shape["dtype"]
+    threads = config["threads"]
+    lean = config["lean_smem"]
+    half = N // 2
+    hasD = shape["hasD"]
+    m = _chunk_macros(shape)
+    sig = _chunk_signature(shape)
+
+    @T.macro
+    def rotated_tile(b, t0, h, hq, X, X_BIAS, cos_s, sin_s, lo_s, hi_s):
+        """lo_s / hi_s = rot(X + bias), columns [0, N/2) / [N/2, N)."""
+        for f, j in T.Parallel(F, half):
+            x0 = T.cast(X[b, t0 + f // R, f % R, hq, j], F32) + X_BIAS[h, f % R, j]
+            x1 = T.cast(X[b, t0 + f // R, f % R, hq, half + j], F32) + X_BIAS[h, f % R, half + j]
+            cs = cos_s[f // R, T.min(j, nr - 1)]
+            sn = sin_s[f // R, T.min(j, nr - 1)]
+            lo_s[f, j] = T.if_then_else(j < nr, x0 * cs - x1 * sn, x0)
+            hi_s[f, j] = T.if_then_else(j < nr, x0 * sn + x1 * cs, x1)
+
+    @T.macro
+    def pair_row_sum(lo_f, hi_f, lo_s, hi_s, scale_s, tmp_f, row_f, rows_s, c_f, out):
+        """out[t] = sum over the step's rows and all N columns of (lo, hi) * (lo_s, hi_s), times
+        scale_s[t] when a scale is given."""
+        for f, j in T.Parallel(F, half):
+            if scale_s is None:
+                tmp_f[f, j] = lo_f[f, j] * T.cast(lo_s[f, j], F32) + hi_f[f, j] * T.cast(hi_s[f, j], F32)
+            else:
+                tmp_f[f, j] = (lo_f[f, j] * T.cast(lo_s[f, j], F32) + hi_f[f, j] * T.cast(hi_s[f, j], F32)) * \
+                    scale_s[f // R]
+        m["per_step_row_sum"](tmp_f, row_f, rows_s, c_f, out)
+
+    @T.macro
+    def scale_rows(lo_f, hi_f, scale_s):
+        for f, j in T.Parallel(F, half):
+            lo_f[f, j] = lo_f[f, j] * scale_s[f // R]
+            hi_f[f, j] = hi_f[f, j] * scale_s[f // R]
+
+    @T.macro
+    def rotate_back_out(lo_f, hi_f, cos_s, sin_s, OUT, b, row0, h):
+        """OUT[row0 + f, h, :] = rot^T of the pair (lo, hi), in the output dtype."""
+        for f, j in T.Parallel(F, half):
+            cs = cos_s[f // R, T.min(j, nr - 1)]
+            sn = sin_s[f // R, T.min(j, nr - 1)]
+            OUT[b, row0 + f, h, j] = T.if_then_else(j < nr, lo_f[f, j] * cs + hi_f[f, j] * sn, lo_f[f, j])
+            OUT[b, row0 + f, h, half + j] = T.if_then_else(j < nr, hi_f[f, j] * cs - lo_f[f, j] * sn,
+                                                                    hi_f[f, j])
+
+    @T.prim_func
+    def chunk(Q: sig["Q"], K: sig["K"], V: sig["V"], Q_BIAS: sig["Q_BIAS"], K_BIAS: sig["K_BIAS"],
+              MIMO_V: sig["MIMO_V"], MIMO_O: sig["MIMO_O"], MIMO_Z: sig["MIMO_Z"], Z: sig["Z"], D: sig["D"],
+              ANGLES: sig["ANGLES"], DA_CS: sig["DA_CS"], DA_CS_REV: sig["DA_CS_REV"], DT: sig["DT"],
+              TRAP: sig["TRAP"], STATES: sig["STATES"], QK_DOT: sig["QK_DOT"], SEGSUM: sig["SEGSUM"],
+              DOUT: sig["DOUT"], DSTATES: sig["DSTATES"], DQ: sig["DQ"], DK: sig["DK"], DV: sig["DV"],
+              DANGLES: sig["DANGLES"], DFACTOR: sig["DFACTOR"], DGAMMA_DIAG: sig["DGAMMA_DIAG"],
+              DDA_CS: sig["DDA_CS"], DDA_CS_REV: sig["DDA_CS_REV"], DSSDA: sig["DSSDA"],
+              DMV_PART: sig["DMV_PART"], DD_PART: sig["DD_PART"], c_lo: T.int32):
+        with T.Kernel(nc // _pieces(config, shape), H, B, threads=threads) as (ci, h, b):
+            c = c_lo + ci if _pieces(config, shape) > 1 else ci
+            if config["min_blocks"] > 1:
+                T.annotate_min_blocks_per_sm(config["min_blocks"])
+            hq = h // (H // G)
+            t0 = c * C
+            qh_lo = T.alloc_shared((F, half), dtype)
+            qh_hi = T.alloc_shared((F, half), dtype)
+            kr_lo = T.alloc_shared((F, half), dtype)
+            kr_hi = T.alloc_shared((F, half), dtype)
+            psiv_s = T.alloc_shared((F, P), dtype)
+            dy_s = T.alloc_shared((F, P), dtype)
+            ds_lo = T.alloc_shared((half, P), dtype)
+            ds_hi = T.alloc_shared((half, P), dtype)
+            st_lo = T.alloc_shared((half, P), dtype)
+            st_hi = T.alloc_shared((half, P), dtype)
+            w_s = T.alloc_shared((F, F), dtype)         # masked dkq (dk side), first the dPsiV operand
+            wq_s = T.alloc_shared((F, F), dtype)        # masked dkq scaled by factor_s (dq side)
+            wd_s = T.alloc_shared((F, F), dtype)        # block diagonal: the same-step R x R terms
+            prod_s = T.alloc_shared((F, F), F32 if config["lkq_fp32"] else dtype)
+            pv_s = T.alloc_shared((F, R), F32)
+            dpsiv_s = T.alloc_shared((F, P), dtype if lean else F32)
+            rows_s = T.alloc_shared((F,), F32)
+            ea_s = T.alloc_shared((C,), F32)
+            er_s = T.alloc_shared((C,), F32)
+            gam_s = T.alloc_shared((C,), F32)
+            fac_s = T.alloc_shared((C,), F32)
+            erf_s = T.alloc_shared((C,), F32)
+            seg_s = T.alloc_shared((C, C), F32)
+            cos_s = T.alloc_shared((C, nr), F32)
+            sin_s = T.alloc_shared((C, nr), F32)
+            qkd_s = T.alloc_shared((F, R), F32)
+            ang_s = T.alloc_shared((F, nr), F32)
+            if config["swizzle"]:
+                T.annotate_layout({buf: tilelang.layout.make_swizzled_layout(buf)
+                                   for buf in (qh_lo, qh_hi, kr_lo, kr_hi, psiv_s, dy_s, ds_lo, ds_hi, st_lo,
+                                               st_hi, w_s, wq_s, wd_s)})
+
+            acc_fp = T.alloc_fragment((F, P), F32)
+            acc_ff = T.alloc_fragment((F, F), F32)
+            lkq_f = T.alloc_fragment((F, F), F32) if lean else None
+            lo_f = T.alloc_fragment((F, half), F32)
+            hi_f = T.alloc_fragment((F, half), F32)
+            tmp_f = T.alloc_fragment((F, half), F32)
+            row_f = T.alloc_fragment((F,), F32)
+            c_f = T.alloc_fragment((C,), F32)
+            one_d = T.alloc_fragment((1,), F32)
+            cc_f = T.alloc_fragment((C, C), F32)
+            dv_f = T.alloc_fragment((C, P), F32)
+            dmv_f = T.alloc_fragment((R, P), F32)
+            ang_f = T.alloc_fragment((C, nr), F32)
+
+            m["step_tables"](b, h, c, t0, DA_CS, DA_CS_REV, DT, TRAP, SEGSUM, ANGLES, QK_DOT, ea_s, er_s, gam_s,
+                             fac_s, seg_s, cos_s, sin_s, qkd_s)
+            for t in T.Parallel(C):
+                erf_s[t] = er_s[t] * fac_s[t]
+            rotated_tile(b, t0, h, hq, Q, Q_BIAS, cos_s, sin_s, qh_lo, qh_hi)
+            rotated_tile(b, t0, h, hq, K, K_BIAS, cos_s, sin_s, kr_lo, kr_hi)
+            m["value_tiles"](b, h, t0, V, MIMO_V, DOUT, Z, MIMO_O, MIMO_Z, psiv_s, dy_s)
+            T.copy(DSTATES[b, h, c, 0:half, :], ds_lo)
+            T.copy(DSTATES[b, h, c, half:N, :], ds_hi)
+
+            # ---- dPsiV = exp(DA_CS_REV) factor k_rot dS + (masked k_hat q_hat^T) dy + D dy + diagonal
+            T.gemm(kr_lo, ds_lo, acc_fp, clear_accum=True)
+            T.gemm(kr_hi, ds_hi, acc_fp)
+            for f, p in T.Parallel(F, P):
+                acc_fp[f, p] = acc_fp[f, p] * erf_s[f // R]
+            T.gemm(kr_lo, qh_lo, acc_ff, transpose_B=True, clear_accum=True)
+            T.gemm(kr_hi, qh_hi, acc_ff, transpose_B=True)
+            for i, j in T.Parallel(F, F):
+                acc_ff[i, j] = acc_ff[i, j] * fac_s[i // R]                 # lkq[s, t] = k_hat_s . q_hat_t
+            if not lean:
+                T.copy(acc_ff, prod_s)
+            for i, j in T.Parallel(F, F):
+                w_s[i, j] = T.if_then_else(i // R == j // R, gam_s[i // R] * qkd_s[j, i % R],
+                                           acc_ff[i, j] * seg_s[j // R, i // R])
+            T.gemm(w_s, dy_s, acc_fp)
+            if hasD:
+                for f, p in T.Parallel(F, P):
+                    acc_fp[f, p] = acc_fp[f, p] + D[h] * T.cast(dy_s[f, p], F32)
+            T.copy(acc_fp, dpsiv_s)
+            m["dv_dmv"](b, h, c, t0, V, MIMO_V, DV, DMV_PART, dpsiv_s, dv_f, dmv_f)
+
+            # ---- dkq = PsiV dy^T (row s, column t): DSSDA, masked copies, same-step terms
+            T.gemm(psiv_s, dy_s, acc_ff, transpose_B=True, clear_accum=True)
+            if lean:
+                T.gemm(kr_lo, qh_lo, lkq_f, transpose_B=True, clear_accum=True)
+                T.gemm(kr_hi, qh_hi, lkq_f, transpose_B=True)
+                for i, j in T.Parallel(F, F):
+                    lkq_f[i, j] = lkq_f[i, j] * fac_s[i // R]
+            m["dkq_terms"](b, h, c, t0, lean, DSSDA, DD_PART, DGAMMA_DIAG, acc_ff, lkq_f, prod_s, w_s, pv_s, wd_s,
+                           seg_s, gam_s, qkd_s, cc_f, row_f, one_d, c_f)
+            for i, j in T.Parallel(F, F):
+                wq_s[i, j] = acc_ff[i, j] * seg_s[j // R, i // R] * fac_s[i // R]
+
+            # ---- dk_hat = exp(DA_CS_REV) PsiV dS^T + masked dkq q_hat; DDA_CS_REV, DFACTOR, DK
+            T.gemm(psiv_s, ds_lo, lo_f, transpose_B=True, clear_accum=True)
+            T.gemm(psiv_s, ds_hi, hi_f, transpose_B=True, clear_accum=True)
+            pair_row_sum(lo_f, hi_f, kr_lo, kr_hi, fac_s, tmp_f, row_f, rows_s, c_f, DDA_CS_REV[b, h, t0:t0 + C])
+            scale_rows(lo_f, hi_f, er_s)
+            T.gemm(w_s, qh_lo, lo_f)
+            T.gemm(w_s, qh_hi, hi_f)
+            pair_row_sum(lo_f, hi_f, kr_lo, kr_hi, None, tmp_f, row_f, rows_s, c_f, DFACTOR[b, h, t0:t0 + C])
+            for f, j in T.Parallel(F, half):
+                if j < nr:
+                    ang_s[f, j] = fac_s[f // R] * (hi_f[f, j] * T.cast(kr_lo[f, j], F32)
+                                                   - lo_f[f, j] * T.cast(kr_hi[f, j], F32))
+            scale_rows(lo_f, hi_f, fac_s)
+            T.gemm(wd_s, qh_lo, lo_f)                                            # same-step terms
+            T.gemm(wd_s, qh_hi, hi_f)
+            rotate_back_out(lo_f, hi_f, cos_s, sin_s, DK, b, c * F, h)
+
+            # ---- dq_hat = exp(DA_CS) dy S_c^T + masked dkq^T k_hat; DDA_CS, DQ, DANGLES
+            T.copy(STATES[b, h, c, 0:half, :], st_lo)
+            T.copy(STATES[b, h, c, half:N, :], st_hi)
+            T.gemm(dy_s, st_lo, lo_f, transpose_B=True, clear_accum=True)
+            T.gemm(dy_s, st_hi, hi_f, transpose_B=True, clear_accum=True)
+            pair_row_sum(lo_f, hi_f, qh_lo, qh_hi, None, tmp_f, row_f, rows_s, c_f, DDA_CS[b, h, t0:t0 + C])
+            scale_rows(lo_f, hi_f, ea_s)
+            T.gemm(wq_s, kr_lo, lo_f, transpose_A=True)
+            T.gemm(wq_s, kr_hi, hi_f, transpose_A=True)
+            for f, j in T.Parallel(F, half):
+                if j < nr:
+                    ang_s[f, j] = ang_s[f, j] + hi_f[f, j] * T.cast(qh_lo[f, j], F32) - \
+                        lo_f[f, j] * T.cast(qh_hi[f, j], F32)
+            m["angles_out"](b, t0, h, DANGLES, ang_s, ang_f)
+            T.gemm(wd_s, kr_lo, lo_f, transpose_A=True)                          # same-step terms
+            T.gemm(wd_s, kr_hi, hi_f, transpose_A=True)
+            rotate_back_out(lo_f, hi_f, cos_s, sin_s, DQ, b, c * F, h)
+
+    return chunk
+
+
 def _reduce_program(config: dict, shape: dict):
+    """Grid (H, B): DDA for every step (the scan tiles' partials summed, times exp(DA_CS) at the chunk's
+    last step), DMIMO_V and DD summed over the chunks; every output element has its own thread (no
+    serial walk over the chunks across elements), deterministic (no atomics)."""
     B, S, H, G, N, P, R, C, nc, nr, F = _dims(shape)
     hasD = shape["hasD"]
     tiles = _scan_tiles(config, shape)
@@ -562,27 +843,25 @@ def _reduce_program(config: dict, shape: dict):
     def reduce(DMV_PART: T.Tensor((B, H, nc, R, P), F32), DD_PART: T.Tensor((B, H, nc), F32),
                DDA_PART: T.Tensor((B, H, nc, tiles), F32), DA_CS: T.Tensor((B, H, S), F32),
                DMIMO_V: T.Tensor((B, H, R, P), F32), DD: T.Tensor((B, H), F32), DDA: T.Tensor((B, H, S), F32)):
-        with T.Kernel(H, B, threads=128) as (h, b):
-            dda_f = T.alloc_fragment((C,), F32)
-            for c in T.serial(nc):
-                # DDA = exp(DA_CS at the chunk's last step) * sum(S_c * dS_c), on every step of the chunk
-                T.clear(dda_f)
-                for t in T.Parallel(C):
-                    for k in T.serial(tiles):
-                        dda_f[t] = dda_f[t] + DDA_PART[b, h, c, k]
-                    dda_f[t] = dda_f[t] * T.exp(DA_CS[b, h, c * C + C - 1])
-                T.copy(dda_f, DDA[b, h, c * C:(c + 1) * C])
+        with T.Kernel(H, B, threads=256) as (h, b):
+            dda_f = T.alloc_fragment((nc, C), F32)
+            T.clear(dda_f)
+            for c, t in T.Parallel(nc, C):
+                for k in T.unroll(tiles):
+                    dda_f[c, t] = dda_f[c, t] + DDA_PART[b, h, c, k]
+            for c, t in T.Parallel(nc, C):
+                DDA[b, h, c * C + t] = dda_f[c, t] * T.exp(DA_CS[b, h, c * C + C - 1])
             acc = T.alloc_fragment((R, P), F32)
             T.clear(acc)
             for r, p in T.Parallel(R, P):
-                for c in T.serial(nc):
+                for c in T.unroll(nc):
                     acc[r, p] = acc[r, p] + DMV_PART[b, h, c, r, p]
             T.copy(acc, DMIMO_V[b, h, :, :])
             if hasD:
                 tot = T.alloc_fragment((1,), F32)
                 T.clear(tot)
                 for i in T.Parallel(1):
-                    for c in T.serial(nc):
+                    for c in T.unroll(nc):
                         tot[i] = tot[i] + DD_PART[b, h, c]
                 T.copy(tot, DD[b, h:h + 1])
 
@@ -602,18 +881,38 @@ _PROGRAMS = {"scan": _scan_program, "chunk": _chunk_program, "reduce": _reduce_p
 
 def compile_for(config: dict, shape: dict, target: str) -> dict:
     """Ahead-of-time compile of the three kernels for ``target`` (no GPU). smem_bytes and registers
-    are the largest over the kernels (the chunk kernel's in practice); per-kernel figures ride along."""
+    are the largest over the kernels (the chunk kernel's in practice); per-kernel figures ride along.
+    A kernel whose shared-memory layout overlaps buffers one statement reads and writes is refused
+    (RuntimeError: the preflight records it with the reason)."""
     config = {**DEFAULTS, **config}
+    _refuse(config, shape, target)
     t0 = time.perf_counter()
     per = {}
     for name, prog in _PROGRAMS.items():
-        art = tl.lower(prog(config, shape), target, _pass_configs(config))
-        cubin = tl.cubin_of(art.kernel_source, target, _pass_configs(config), use_cache=False)
+        program = prog(config, shape)
+        art = tl.lower(program, target, _pass_configs(config, name))
+        _check_layout(name, program, art.kernel_source)
+        cubin = tl.cubin_of(art.kernel_source, target, _pass_configs(config, name), use_cache=False)
         usage = tl.resource_usage(cubin, target)[0]
         per[name] = {"smem_bytes": tl.dynamic_smem(art) + usage["static_smem"], "registers": usage["registers"]}
     return {"smem_bytes": max(v["smem_bytes"] for v in per.values()),
             "registers": max(v["registers"] for v in per.values()),
             "compile_s": time.perf_counter() - t0, "binary": "cubin", "kernels": per}
+
+
+def _refuse(config: dict, shape: dict, target: str) -> None:
+    why = config_reason(config, shape) or eligibility(target) or target_reason(config, target) or \
+        shape_target_reason(config, shape, target)
+    if why:
+        raise RuntimeError(why)
+
+
+def _check_layout(name: str, program, source: str) -> None:
+    hazards = smem_plan.alias_hazards(program, source)
+    if hazards:
+        pairs = ", ".join(f"{w} over {r}" for w, r in hazards)
+        raise RuntimeError(f"{name} kernel: TileLang's shared-memory planner placed buffers a statement writes on "
+                           f"bytes that statement still reads ({pairs}); this layout computes garbage")
 
 
 # --------------------------------------------------------------------------------------------
@@ -622,16 +921,25 @@ def compile_for(config: dict, shape: dict, target: str) -> dict:
 
 def build(config: dict, shape: dict):
     """Compile the three kernels for the current GPU's explicit target and return ``run``; the
-    dS and partial-sum workspaces are allocated once per device on the first call."""
+    dS and partial-sum workspaces are allocated once per device on the first call.
+
+    With more than one piece, each scan piece runs on a high-priority side stream and the chunk
+    kernel of that piece's chunks on the caller's stream after it (a CUDA event), so the chunk work
+    of piece k overlaps the scan of piece k + 1; the side stream first waits for the caller's
+    stream, and the caller's stream has waited for every piece when ``run`` returns."""
     config = {**DEFAULTS, **config}
     target = tl.device_target()
-    if eligibility(target):
-        raise RuntimeError(eligibility(target))
-    kernels = {name: tilelang.compile(prog(config, shape), target=tl.tvm_target(target), execution_backend="tvm_ffi",
-                                      pass_configs=_pass_configs(config))
-               for name, prog in _PROGRAMS.items()}
+    _refuse(config, shape, target)
+    kernels = {}
+    for name, prog in _PROGRAMS.items():
+        program = prog(config, shape)
+        kernels[name] = tilelang.compile(program, target=tl.tvm_target(target), execution_backend="tvm_ffi",
+                                         pass_configs=_pass_configs(config, name))
+        _check_layout(name, program, kernels[name].get_kernel_source())
     info = _launch_info(kernels, config, shape, target)
     B, S, H, G, N, P, R, C, nc, nr, F = _dims(shape)
+    pieces = _pieces(config, shape)
+    L = nc // pieces
     work: dict = {}
 
     def run(inputs, outputs):
@@ -641,15 +949,29 @@ def build(config: dict, shape: dict):
                         dmv=torch.empty(B, H, nc, R, P, dtype=torch.float32, device=dev),
                         dd=torch.zeros(B, H, nc, dtype=torch.float32, device=dev),
                         dd_out=torch.empty(B, H, dtype=torch.float32, device=dev),
-                        dda=torch.empty(B, H, nc, _scan_tiles(config, shape), dtype=torch.float32, device=dev))
+                        dda=torch.empty(B, H, nc, _scan_tiles(config, shape), dtype=torch.float32, device=dev),
+                        carry=torch.empty(B, H, N, P, dtype=torch.float32, device=dev),
+                        side=torch.cuda.Stream(dev, priority=-1) if pieces > 1 else None,
+                        events=[torch.cuda.Event() for _ in range(pieces)])
         i, o = inputs, outputs
         z, mo, mz, d = i["Z"], i["MIMO_O"], i["MIMO_Z"], i["D"]
-        kernels["scan"](i["Q"], i["Q_BIAS"], i["ANGLES"], i["DA_CS"], i["DOUT"], z, mo, mz, i["STATES"], work["ds"],
-                        work["dda"])
-        kernels["chunk"](i["Q"], i["K"], i["V"], i["Q_BIAS"], i["K_BIAS"], i["MIMO_V"], mo, mz, z, d, i["ANGLES"],
-                         i["DA_CS"], i["DA_CS_REV"], i["DT"], i["TRAP"], i["STATES"], i["QK_DOT"], i["SEGSUM"],
-                         i["DOUT"], work["ds"], o["DQ"], o["DK"], o["DV"], o["DANGLES"], o["DFACTOR"],
-                         o["DGAMMA_DIAG"], o["DDA_CS"], o["DDA_CS_REV"], o["DSSDA"], work["dmv"], work["dd"])
+        main = torch.cuda.current_stream(dev)
+        if work["side"] is not None:
+            work["side"].wait_stream(main)
+        for k in range(pieces):
+            with torch.cuda.stream(work["side"] or main):
+                if k == 0 and pieces > 1:
+                    work["carry"].zero_()                       # the first piece starts from dS = 0
+                kernels["scan"](i["Q"], i["Q_BIAS"], i["ANGLES"], i["DA_CS"], i["DOUT"], z, mo, mz, i["STATES"],
+                                work["ds"], work["dda"], work["carry"], nc - k * L)
+                work["events"][k].record()
+        for k in range(pieces):
+            main.wait_event(work["events"][k])
+            kernels["chunk"](i["Q"], i["K"], i["V"], i["Q_BIAS"], i["K_BIAS"], i["MIMO_V"], mo, mz, z, d,
+                             i["ANGLES"], i["DA_CS"], i["DA_CS_REV"], i["DT"], i["TRAP"], i["STATES"], i["QK_DOT"],
+                             i["SEGSUM"], i["DOUT"], work["ds"], o["DQ"], o["DK"], o["DV"], o["DANGLES"],
+                             o["DFACTOR"], o["DGAMMA_DIAG"], o["DDA_CS"], o["DDA_CS_REV"], o["DSSDA"], work["dmv"],
+                             work["dd"], nc - (k + 1) * L)
         kernels["reduce"](work["dmv"], work["dd"], work["dda"], i["DA_CS"], o["DMIMO_V"],
                           o["DD"] if shape["hasD"] else work["dd_out"], o["DDA"])
         return info
@@ -662,8 +984,8 @@ def _launch_info(kernels: dict, config: dict, shape: dict, target: str) -> dict:
         smem, regs = 0, 0
         for name, k in kernels.items():
             art = k.artifact if getattr(k, "artifact", None) is not None else \
-                tl.lower(_PROGRAMS[name](config, shape), target, _pass_configs(config))
-            cubin = tl.cubin_of(k.get_kernel_source(), target, _pass_configs(config), use_cache=True)
+                tl.lower(_PROGRAMS[name](config, shape), target, _pass_configs(config, name))
+            cubin = tl.cubin_of(k.get_kernel_source(), target, _pass_configs(config, name), use_cache=True)
             usage = tl.resource_usage(cubin, target)[0]
             smem = max(smem, tl.dynamic_smem(art) + usage["static_smem"])
             regs = max(regs, usage["registers"])
