@@ -34,7 +34,7 @@ for cmd in "$@"; do
   case "$cmd" in scripts/*) run=(python3);; *) run=(python3 -m lab);; esac
   echo "=== [$i] ${run[*]} $cmd" | tee -a "$OUT/log.txt"
   # LAB_CMD_TIMEOUT (seconds) stops a command early enough for results.tgz to be written below.
-  timeout -s INT "${LAB_CMD_TIMEOUT:-0}" "${run[@]}" $cmd $extra 2>&1 | tee -a "$OUT/log.txt"
+  timeout -k 30 -s INT "${LAB_CMD_TIMEOUT:-0}" "${run[@]}" $cmd $extra 2>&1 | tee -a "$OUT/log.txt"
   r=${PIPESTATUS[0]}
   echo "=== [$i] exit $r" | tee -a "$OUT/log.txt"
   [ "$r" -ne 0 ] && rc=$r
