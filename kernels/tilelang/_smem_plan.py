@@ -97,10 +97,16 @@ def _kernel_body(program):
             return node
 
 
+def _workspace_name(i: int) -> str:
+    return "workspace" + (f"_{i}" if i else "")
+
+
 def _statements(program, names: set, aggressive: bool) -> tuple[list[tuple[int, list[str]]], set[str]]:
-    """[(scope level, buffers touched)] in program order, and the buffers T.gemm reads."""
+    """[(scope level, buffers touched)] in program order, and the buffers T.gemm reads. In aggressive
+    mode each T.reduce also touches the workspace its lowering adds (named as TileLang names them)."""
     seq: list[tuple[int, list[str]]] = []
     gemm_operands: set[str] = set()
+    reduces = [0]
 
     def note_gemm(stmt):
         call = stmt.value
@@ -126,6 +132,9 @@ def _statements(program, names: set, aggressive: bool) -> tuple[list[tuple[int, 
             if kind == "Evaluate":
                 note_gemm(stmt)
             touched = _touched(stmt, names)
+            if kind == "Evaluate" and getattr(getattr(stmt.value, "op", None), "name", "") == "tl.tileop.reduce":
+                touched.append(_workspace_name(reduces[0]))
+                reduces[0] += 1
             if touched:
                 seq.append((level, touched))
 
@@ -240,18 +249,26 @@ def pack(lifetimes: dict[str, tuple[float, int]], sizes: dict[str, int], align: 
 
 
 def planned_bytes(program, target: str, aggressive: bool, stages: dict[str, int] | None = None,
-                  workspaces: tuple[str, list[int]] | None = None) -> int:
+                  workspaces: tuple[str, list[int]] | None = None, reduce_workspace: int = 0) -> int:
     """The dynamic shared memory TileLang will give ``program`` for ``target``, bytes.
 
     ``stages``: buffers a software pipeline (T.Pipelined, num_stages > 0) keeps that many copies of,
     in the order its prologue first touches them (before the loop's other buffers).
     ``workspaces``: (a buffer they live with, their sizes): the buffers TileLang's lowering adds for
     cross-warp reductions, which the front-end program does not show (named workspace,
-    workspace_1, ... as TileLang names them)."""
+    workspace_1, ... as TileLang names them).
+    ``reduce_workspace``: in aggressive mode, the bytes of the workspace each T.reduce adds, live at
+    that statement only (one fp32 per thread of the CTA)."""
     sizes = shared_buffers(program)
     for n, k in (stages or {}).items():
         sizes[n] *= k
     seq, gemm_operands = _statements(program, set(sizes), aggressive)
+    if not reduce_workspace:
+        seq = [(level, [n for n in touched if n in sizes]) for level, touched in seq]
+        seq = [(level, touched) for level, touched in seq if touched]
+    for _, touched in seq:
+        for n in touched:
+            sizes.setdefault(n, reduce_workspace)
     lifetimes = _lifetimes(seq)
     piped = [n for n, k in (stages or {}).items() if k > 1 and n in lifetimes]
     for i, n in enumerate(piped):              # between the statement before the loop and the loop

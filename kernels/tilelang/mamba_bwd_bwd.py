@@ -43,6 +43,9 @@ Tunables:
                       stores it in the input dtype as upstream does (half the bytes)
   lean_smem           stage dPsiV in the input dtype and recompute k_hat.q_hat for DSSDA (one more
                       F x F x N GEMM) instead of keeping it across the dPsiV steps
+  global_tables       rotated form: exp(SEGSUM) and cos / sin of the angles read from global memory
+                      where used instead of staged in shared fp32 tables (C*C*4 + 2*C*N/rd*4 bytes less:
+                      32 KiB at C = 64, N = 128)
   swizzle             swizzled layouts for the chunk kernel's GEMM operand tiles
   tma                 False sets tl.disable_tma_lower
   warp_specialized    False sets tl.disable_warp_specialized
@@ -65,9 +68,9 @@ from kernels.tilelang import _smem_plan as smem_plan
 DSL = "tilelang"
 KERNEL = "mamba_bwd_bwd"
 TUNABLES = ("chunk_form", "pieces", "threads", "min_blocks", "scan_threads", "scan_block_N", "scan_block_P", "scan_stages", "lkq_fp32",
-            "lean_smem", "swizzle", "tma", "warp_specialized", "fast_math", "aggressive_smem_merge")
+            "lean_smem", "global_tables", "swizzle", "tma", "warp_specialized", "fast_math", "aggressive_smem_merge")
 DEFAULTS = {"chunk_form": "classic", "pieces": 1, "threads": 256, "min_blocks": 1, "scan_threads": 128, "scan_block_N": 64, "scan_block_P": 32,
-            "scan_stages": 2, "lkq_fp32": False, "lean_smem": False, "swizzle": True, "tma": False,
+            "scan_stages": 2, "lkq_fp32": False, "lean_smem": False, "global_tables": False, "swizzle": True, "tma": False,
             "warp_specialized": False, "fast_math": True, "aggressive_smem_merge": True}
 TARGETS = tl.TARGETS
 DTYPES = ("float16", "bfloat16")
@@ -93,7 +96,7 @@ def config_reason(config: dict, shape: dict) -> str | None:
         v = c[key]
         if not isinstance(v, int) or v < 16 or shape[dim] % v:
             return f"{key}={v} must be >= 16 and divide {dim}={shape[dim]}"
-    for key in ("lkq_fp32", "lean_smem", "swizzle", "tma", "warp_specialized", "fast_math", "aggressive_smem_merge"):
+    for key in ("lkq_fp32", "lean_smem", "global_tables", "swizzle", "tma", "warp_specialized", "fast_math", "aggressive_smem_merge"):
         if not isinstance(c[key], bool):
             return f"{key}={c[key]!r} must be true or false"
     F = shape["C"] * shape["R"]
@@ -109,6 +112,8 @@ def config_reason(config: dict, shape: dict) -> str | None:
                 "source index depends on a thread-owned reduce segment)")
     if c["chunk_form"] not in ("classic", "rotated"):
         return f"chunk_form={c['chunk_form']!r} must be classic or rotated"
+    if c["global_tables"] and c["chunk_form"] != "rotated":
+        return "global_tables=true needs chunk_form=rotated"
     if c["pieces"] not in (1, 2, 4, 8, 16):
         return f"pieces={c['pieces']} must be 1, 2, 4, 8 or 16"
     return None
@@ -151,7 +156,7 @@ def _pass_configs(config: dict, kernel: str) -> dict:
 # The scan's T.Pipelined copies, in the order its prologue first touches them (TileLang 0.1.15).
 _SCAN_PIPELINED = ("st_raw", "ang_raw", "q_raw", "do_raw", "z_raw", "da_raw")
 # Config keys that change the shared buffers (or their alignment) of each kernel.
-_SMEM_KEYS = {"chunk": ("chunk_form", "lean_smem", "lkq_fp32", "aggressive_smem_merge", "tma"),
+_SMEM_KEYS = {"chunk": ("chunk_form", "threads", "lean_smem", "lkq_fp32", "global_tables", "aggressive_smem_merge", "tma"),
               "scan": ("scan_block_N", "scan_block_P", "scan_stages", "scan_threads", "tma")}
 
 
@@ -173,7 +178,8 @@ def _planned(kernel: str, key: tuple, shape_key: tuple, target: str) -> int:
     config, shape = {**DEFAULTS, **dict(zip(_SMEM_KEYS[kernel], key))}, dict(shape_key)
     program = _PROGRAMS[kernel](config, shape)
     if kernel == "chunk":
-        return smem_plan.planned_bytes(program, target, config["aggressive_smem_merge"])
+        return smem_plan.planned_bytes(program, target, config["aggressive_smem_merge"],
+                                       reduce_workspace=4 * config["threads"])
     threads = config["scan_threads"]
     one_warpgroup_wgmma = tl.cc(target) == 90 and threads == 128 and config["scan_block_N"] % 64 == 0
     return smem_plan.planned_bytes(program, target, False, {n: max(config["scan_stages"], 1) for n in _SCAN_PIPELINED},
@@ -200,6 +206,22 @@ def _dy_value(DOUT, Z, MIMO_O, MIMO_Z, b, t, r, h, p, shape):
         zz = T.cast(Z[b, t, h, p], F32) * MIMO_Z[h, r, p]
         d = d * zz * T.sigmoid(zz)
     return d
+
+
+def _seg(seg_s, SEGSUM, b, h, c, t, s):
+    """exp(SEGSUM[t, s]) masked to s < t: from the staged table, or (seg_s None) from global memory."""
+    if seg_s is not None:
+        return seg_s[t, s]
+    return T.if_then_else(s < t, T.exp(SEGSUM[b, h, c, t, s]), 0.0)
+
+
+def _cos(cos_s, ANGLES, b, t0, h, t, j):
+    """cos of the angle of step t0 + t, pair j: from the staged table, or (cos_s None) from global."""
+    return cos_s[t, j] if cos_s is not None else T.cos(ANGLES[b, t0 + t, h, j])
+
+
+def _sin(sin_s, ANGLES, b, t0, h, t, j):
+    return sin_s[t, j] if sin_s is not None else T.sin(ANGLES[b, t0 + t, h, j])
 
 
 def _scan_program(config: dict, shape: dict):
@@ -328,7 +350,8 @@ def _chunk_macros(shape: dict):
     def step_tables(b, h, c, t0, DA_CS, DA_CS_REV, DT, TRAP, SEGSUM, ANGLES, QK_DOT, ea_s, er_s, gam_s, fac_s,
                     seg_s, cos_s, sin_s, qkd_s):
         """Per-step scalars (exp(DA_CS), exp(DA_CS_REV), gamma, factor), exp(SEGSUM) masked to s < t,
-        cos / sin of the chunk's angles and QK_DOT, all fp32 in shared memory."""
+        cos / sin of the chunk's angles and QK_DOT, all fp32 in shared memory (seg_s and cos_s / sin_s
+        None: those are read from global memory where used, see _seg, _cos and _sin)."""
         for t in T.Parallel(C):
             ea_s[t] = T.exp(DA_CS[b, h, t0 + t])
             er_s[t] = T.exp(DA_CS_REV[b, h, t0 + t])
@@ -337,11 +360,13 @@ def _chunk_macros(shape: dict):
             sh = T.if_then_else(t0 + t + 1 < S, DT[b, h, nxt] * T.sigmoid(-T.cast(TRAP[b, h, nxt], F32)), 0.0)
             gam_s[t] = g
             fac_s[t] = g + sh
-        for t, s in T.Parallel(C, C):
-            seg_s[t, s] = T.if_then_else(s < t, T.exp(SEGSUM[b, h, c, t, s]), 0.0)
-        for t, j in T.Parallel(C, nr):
-            cos_s[t, j] = T.cos(ANGLES[b, t0 + t, h, j])
-            sin_s[t, j] = T.sin(ANGLES[b, t0 + t, h, j])
+        if seg_s is not None:
+            for t, s in T.Parallel(C, C):
+                seg_s[t, s] = T.if_then_else(s < t, T.exp(SEGSUM[b, h, c, t, s]), 0.0)
+        if cos_s is not None:
+            for t, j in T.Parallel(C, nr):
+                cos_s[t, j] = T.cos(ANGLES[b, t0 + t, h, j])
+                sin_s[t, j] = T.sin(ANGLES[b, t0 + t, h, j])
         for f, i in T.Parallel(F, R):
             qkd_s[f, i] = T.cast(QK_DOT[b, h, t0 + f // R, f % R, i], F32)
 
@@ -368,7 +393,7 @@ def _chunk_macros(shape: dict):
 
     @T.macro
     def dkq_terms(b, h, c, t0, lean, DSSDA, DD_PART, DGAMMA_DIAG, acc_ff, lkq_f, prod_s, w_s, pv_s, wd_s, seg_s,
-                  gam_s, qkd_s, cc_f, row_f, one_d, c_f):
+                  SEGSUM, gam_s, qkd_s, cc_f, row_f, one_d, c_f):
         """From dkq = PsiV dy^T in acc_ff (row s, column t) and k_hat.q_hat (lkq_f, or kept in prod_s):
         DSSDA, the masked dkq (w_s), the same-step products pv and their block-diagonal operand wd_s,
         the DD partial and DGAMMA_DIAG."""
@@ -377,7 +402,7 @@ def _chunk_macros(shape: dict):
                 prod_s[i, j] = lkq_f[i, j] * acc_ff[i, j]
             else:
                 prod_s[i, j] = T.cast(prod_s[i, j], F32) * acc_ff[i, j]
-            w_s[i, j] = acc_ff[i, j] * seg_s[j // R, i // R]
+            w_s[i, j] = acc_ff[i, j] * _seg(seg_s, SEGSUM, b, h, c, j // R, i // R)
             if i // R == j // R:
                 # same-step block: pv[t, o, i'] = dy_{t,o} . PsiV_{t,i'} = dkq[t*R + i', t*R + o]
                 pv_s[j, i % R] = acc_ff[i, j]
@@ -590,7 +615,7 @@ def _classic_chunk_program(config: dict, shape: dict):
             if lean:
                 T.gemm(kh_s, qh_s, lkq_f, transpose_B=True, clear_accum=True)     # lkq again, not kept
             m["dkq_terms"](b, h, c, t0, lean, DSSDA, DD_PART, DGAMMA_DIAG, acc_ff, lkq_f, prod_s, w_s, pv_s, wd_s,
-                           seg_s, gam_s, qkd_s, cc_f, row_f, one_d, c_f)
+                           seg_s, SEGSUM, gam_s, qkd_s, cc_f, row_f, one_d, c_f)
 
             # ---- dk_hat = exp(DA_CS_REV) PsiV dS^T + masked dkq q_hat; DDA_CS_REV, DFACTOR, DK
             T.gemm(psiv_s, ds_s, acc_fn, transpose_B=True, clear_accum=True)
@@ -651,13 +676,13 @@ def _rotated_chunk_program(config: dict, shape: dict):
     sig = _chunk_signature(shape)
 
     @T.macro
-    def rotated_tile(b, t0, h, hq, X, X_BIAS, cos_s, sin_s, lo_s, hi_s):
+    def rotated_tile(b, t0, h, hq, X, X_BIAS, cos_s, sin_s, ANGLES, lo_s, hi_s):
         """lo_s / hi_s = rot(X + bias), columns [0, N/2) / [N/2, N)."""
         for f, j in T.Parallel(F, half):
             x0 = T.cast(X[b, t0 + f // R, f % R, hq, j], F32) + X_BIAS[h, f % R, j]
             x1 = T.cast(X[b, t0 + f // R, f % R, hq, half + j], F32) + X_BIAS[h, f % R, half + j]
-            cs = cos_s[f // R, T.min(j, nr - 1)]
-            sn = sin_s[f // R, T.min(j, nr - 1)]
+            cs = _cos(cos_s, ANGLES, b, t0, h, f // R, T.min(j, nr - 1))
+            sn = _sin(sin_s, ANGLES, b, t0, h, f // R, T.min(j, nr - 1))
             lo_s[f, j] = T.if_then_else(j < nr, x0 * cs - x1 * sn, x0)
             hi_s[f, j] = T.if_then_else(j < nr, x0 * sn + x1 * cs, x1)
 
@@ -680,11 +705,11 @@ def _rotated_chunk_program(config: dict, shape: dict):
             hi_f[f, j] = hi_f[f, j] * scale_s[f // R]
 
     @T.macro
-    def rotate_back_out(lo_f, hi_f, cos_s, sin_s, OUT, b, row0, h):
-        """OUT[row0 + f, h, :] = rot^T of the pair (lo, hi), in the output dtype."""
+    def rotate_back_out(lo_f, hi_f, cos_s, sin_s, ANGLES, OUT, b, t0, row0, h):
+        """OUT[row0 + f, h, :] = rot^T of the pair (lo, hi) of the chunk's steps t0.., in the output dtype."""
         for f, j in T.Parallel(F, half):
-            cs = cos_s[f // R, T.min(j, nr - 1)]
-            sn = sin_s[f // R, T.min(j, nr - 1)]
+            cs = _cos(cos_s, ANGLES, b, t0, h, f // R, T.min(j, nr - 1))
+            sn = _sin(sin_s, ANGLES, b, t0, h, f // R, T.min(j, nr - 1))
             OUT[b, row0 + f, h, j] = T.if_then_else(j < nr, lo_f[f, j] * cs + hi_f[f, j] * sn, lo_f[f, j])
             OUT[b, row0 + f, h, half + j] = T.if_then_else(j < nr, hi_f[f, j] * cs - lo_f[f, j] * sn,
                                                                     hi_f[f, j])
@@ -726,9 +751,9 @@ def _rotated_chunk_program(config: dict, shape: dict):
             gam_s = T.alloc_shared((C,), F32)
             fac_s = T.alloc_shared((C,), F32)
             erf_s = T.alloc_shared((C,), F32)
-            seg_s = T.alloc_shared((C, C), F32)
-            cos_s = T.alloc_shared((C, nr), F32)
-            sin_s = T.alloc_shared((C, nr), F32)
+            seg_s = None if config["global_tables"] else T.alloc_shared((C, C), F32)
+            cos_s = None if config["global_tables"] else T.alloc_shared((C, nr), F32)
+            sin_s = None if config["global_tables"] else T.alloc_shared((C, nr), F32)
             qkd_s = T.alloc_shared((F, R), F32)
             ang_s = T.alloc_shared((F, nr), F32)
             if config["swizzle"]:
@@ -754,8 +779,8 @@ def _rotated_chunk_program(config: dict, shape: dict):
                              fac_s, seg_s, cos_s, sin_s, qkd_s)
             for t in T.Parallel(C):
                 erf_s[t] = er_s[t] * fac_s[t]
-            rotated_tile(b, t0, h, hq, Q, Q_BIAS, cos_s, sin_s, qh_lo, qh_hi)
-            rotated_tile(b, t0, h, hq, K, K_BIAS, cos_s, sin_s, kr_lo, kr_hi)
+            rotated_tile(b, t0, h, hq, Q, Q_BIAS, cos_s, sin_s, ANGLES, qh_lo, qh_hi)
+            rotated_tile(b, t0, h, hq, K, K_BIAS, cos_s, sin_s, ANGLES, kr_lo, kr_hi)
             m["value_tiles"](b, h, t0, V, MIMO_V, DOUT, Z, MIMO_O, MIMO_Z, psiv_s, dy_s)
             T.copy(DSTATES[b, h, c, 0:half, :], ds_lo)
             T.copy(DSTATES[b, h, c, half:N, :], ds_hi)
@@ -773,7 +798,7 @@ def _rotated_chunk_program(config: dict, shape: dict):
                 T.copy(acc_ff, prod_s)
             for i, j in T.Parallel(F, F):
                 w_s[i, j] = T.if_then_else(i // R == j // R, gam_s[i // R] * qkd_s[j, i % R],
-                                           acc_ff[i, j] * seg_s[j // R, i // R])
+                                           acc_ff[i, j] * _seg(seg_s, SEGSUM, b, h, c, j // R, i // R))
             T.gemm(w_s, dy_s, acc_fp)
             if hasD:
                 for f, p in T.Parallel(F, P):
@@ -789,13 +814,14 @@ def _rotated_chunk_program(config: dict, shape: dict):
                 for i, j in T.Parallel(F, F):
                     lkq_f[i, j] = lkq_f[i, j] * fac_s[i // R]
             m["dkq_terms"](b, h, c, t0, lean, DSSDA, DD_PART, DGAMMA_DIAG, acc_ff, lkq_f, prod_s, w_s, pv_s, wd_s,
-                           seg_s, gam_s, qkd_s, cc_f, row_f, one_d, c_f)
-            for i, j in T.Parallel(F, F):
-                wq_s[i, j] = acc_ff[i, j] * seg_s[j // R, i // R] * fac_s[i // R]
+                           seg_s, SEGSUM, gam_s, qkd_s, cc_f, row_f, one_d, c_f)
 
             # ---- dk_hat = exp(DA_CS_REV) PsiV dS^T + masked dkq q_hat; DDA_CS_REV, DFACTOR, DK
             T.gemm(psiv_s, ds_lo, lo_f, transpose_B=True, clear_accum=True)
             T.gemm(psiv_s, ds_hi, hi_f, transpose_B=True, clear_accum=True)
+            # wq_s after the last read of ds_lo / ds_hi, so that it can take their bytes (8 KiB at F = 64).
+            for i, j in T.Parallel(F, F):
+                wq_s[i, j] = acc_ff[i, j] * _seg(seg_s, SEGSUM, b, h, c, j // R, i // R) * fac_s[i // R]
             pair_row_sum(lo_f, hi_f, kr_lo, kr_hi, fac_s, tmp_f, row_f, rows_s, c_f, DDA_CS_REV[b, h, t0:t0 + C])
             scale_rows(lo_f, hi_f, er_s)
             T.gemm(w_s, qh_lo, lo_f)
@@ -808,7 +834,7 @@ def _rotated_chunk_program(config: dict, shape: dict):
             scale_rows(lo_f, hi_f, fac_s)
             T.gemm(wd_s, qh_lo, lo_f)                                            # same-step terms
             T.gemm(wd_s, qh_hi, hi_f)
-            rotate_back_out(lo_f, hi_f, cos_s, sin_s, DK, b, c * F, h)
+            rotate_back_out(lo_f, hi_f, cos_s, sin_s, ANGLES, DK, b, t0, c * F, h)
 
             # ---- dq_hat = exp(DA_CS) dy S_c^T + masked dkq^T k_hat; DDA_CS, DQ, DANGLES
             T.copy(STATES[b, h, c, 0:half, :], st_lo)
@@ -826,7 +852,7 @@ def _rotated_chunk_program(config: dict, shape: dict):
             m["angles_out"](b, t0, h, DANGLES, ang_s, ang_f)
             T.gemm(wd_s, kr_lo, lo_f, transpose_A=True)                          # same-step terms
             T.gemm(wd_s, kr_hi, hi_f, transpose_A=True)
-            rotate_back_out(lo_f, hi_f, cos_s, sin_s, DQ, b, c * F, h)
+            rotate_back_out(lo_f, hi_f, cos_s, sin_s, ANGLES, DQ, b, t0, c * F, h)
 
     return chunk
 
