@@ -323,9 +323,12 @@ class Sweep:
         # Feasible configs at this shape: all of them for a space of at most SCAN_LIMIT points, else the seeds
         # and a seeded sample (counting a space of billions would take hours); unknown (inf) when sampled.
         scanned, exhaustive = space.scan(seed=req.seed or 0)
-        feasible_seen = sum(1 for c in scanned
-                            if preflight.cheap_checks(lane, space, lane.full_config(c), shape, self.mode.requested).feasible)
-        feasible_total = feasible_seen if exhaustive else (math.inf if feasible_seen else 0)
+        # A sampled space only needs to know whether any config passes (the seeds come first, so that
+        # is usually the first check): estimating thousands of samples costs minutes for lanes whose
+        # estimate builds the kernel's program.
+        passes = (preflight.cheap_checks(lane, space, lane.full_config(c), shape, self.mode.requested).feasible
+                  for c in scanned)
+        feasible_total = sum(passes) if exhaustive else (math.inf if any(passes) else 0)
         if feasible_total == 0 and req.sampler != "grid":
             # A lane that refuses the whole shape still leaves a row with its reason (fail closed, recorded),
             # not an empty study: the reason given for the space's first config (its first seed, if any).

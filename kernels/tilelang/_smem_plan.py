@@ -91,8 +91,10 @@ def _kernel_body(program):
             if any(b.scope().startswith("shared") for b in node.alloc_buffers):
                 return node.body
             node = node.body
-        elif kind in ("AttrStmt", "LetStmt"):
+        elif kind in ("AttrStmt", "LetStmt", "For"):        # For: the blockIdx bindings
             node = node.body
+        elif kind == "SeqStmt":                             # the threadIdx binds, then the block
+            node = node.seq[-1]
         else:
             return node
 
@@ -102,11 +104,18 @@ def _workspace_name(i: int) -> str:
 
 
 def _statements(program, names: set, aggressive: bool) -> tuple[list[tuple[int, list[str]]], set[str]]:
-    """[(scope level, buffers touched)] in program order, and the buffers T.gemm reads. In aggressive
-    mode each T.reduce also touches the workspace its lowering adds (named as TileLang names them)."""
+    """[(scope level, buffers touched)] in program order, and the buffers T.gemm reads. Each T.reduce
+    also touches the workspace its lowering adds (named as TileLang names them)."""
     seq: list[tuple[int, list[str]]] = []
     gemm_operands: set[str] = set()
     reduces = [0]
+
+    def is_reduce(stmt) -> bool:
+        return getattr(getattr(stmt.value, "op", None), "name", "") == "tl.tileop.reduce"
+
+    def add_workspace(touched):
+        touched.append(_workspace_name(reduces[0]))
+        reduces[0] += 1
 
     def note_gemm(stmt):
         call = stmt.value
@@ -132,9 +141,8 @@ def _statements(program, names: set, aggressive: bool) -> tuple[list[tuple[int, 
             if kind == "Evaluate":
                 note_gemm(stmt)
             touched = _touched(stmt, names)
-            if kind == "Evaluate" and getattr(getattr(stmt.value, "op", None), "name", "") == "tl.tileop.reduce":
-                touched.append(_workspace_name(reduces[0]))
-                reduces[0] += 1
+            if kind == "Evaluate" and is_reduce(stmt):
+                add_workspace(touched)
             if touched:
                 seq.append((level, touched))
 
@@ -144,9 +152,14 @@ def _statements(program, names: set, aggressive: bool) -> tuple[list[tuple[int, 
         if aggressive:
             walk(stmt, 0)
         else:
+            evaluates = []
             tirx.stmt_functor.post_order_visit(
-                stmt, lambda n: note_gemm(n) if type(n).__name__ == "Evaluate" else None)
+                stmt, lambda n: evaluates.append(n) if type(n).__name__ == "Evaluate" else None)
             touched = _touched(stmt, names)
+            for e in evaluates:
+                note_gemm(e)
+                if is_reduce(e):
+                    add_workspace(touched)
             if touched:
                 seq.append((0, touched))
     return seq, gemm_operands
@@ -257,8 +270,8 @@ def planned_bytes(program, target: str, aggressive: bool, stages: dict[str, int]
     ``workspaces``: (a buffer they live with, their sizes): the buffers TileLang's lowering adds for
     cross-warp reductions, which the front-end program does not show (named workspace,
     workspace_1, ... as TileLang names them).
-    ``reduce_workspace``: in aggressive mode, the bytes of the workspace each T.reduce adds, live at
-    that statement only (one fp32 per thread of the CTA)."""
+    ``reduce_workspace``: the bytes of the workspace each T.reduce adds (one fp32 per thread of the
+    CTA), live at that statement only; 0: not counted (``workspaces`` places them instead)."""
     sizes = shared_buffers(program)
     for n, k in (stages or {}).items():
         sizes[n] *= k

@@ -139,9 +139,11 @@ def target_reason(config: dict, target: str) -> str | None:
 def shape_target_reason(config: dict, shape: dict, target: str) -> str | None:
     """Rules that depend on both the shape and the target."""
     c = {**DEFAULTS, **config}
-    if tl.cc(target) == 90 and c["chunk_form"] == "rotated" and shape["N"] < 64:
-        return (f"chunk_form=rotated at N={shape['N']} on sm_90: its N/2-column tiles are under the 32 columns "
-                "TileLang 0.1.15 can lay out for wgmma (layout conflict on qh_lo); use chunk_form=classic")
+    half, warpgroups = shape["N"] // 2, c["threads"] // 128
+    if tl.cc(target) == 90 and c["chunk_form"] == "rotated" and half < 16 * warpgroups:
+        return (f"chunk_form=rotated at N={shape['N']} and {c['threads']} threads on sm_90: each of the "
+                f"{warpgroups} warpgroups would hold under 16 of the N/2 = {half} columns (TileLang 0.1.15: "
+                "layout conflict on qh_lo); use fewer threads or chunk_form=classic")
     return None
 
 
