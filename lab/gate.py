@@ -1,0 +1,244 @@
+"""The re-sweep gate: which (kernel, DSL, device profile) results no longer describe the checkout.
+
+For every entry that has committed results, or that ``sweeps/gate.toml`` requires, the newest ok row
+of each shape is compared with the checkout: the lane's code identity (``lab.identity``: the lane
+module and the kernels/ modules it imports, docstrings and comments stripped), the harness version
+(``lab.__version__``) and the pinned toolchain (pyproject.toml). Rows written before identities were
+recorded are judged by the lane's identity rebuilt at the row's git commit. No GPU is needed.
+
+With ``base`` (a git ref), only entries whose lane code, harness version or toolchain pins changed
+between ``base`` and the checkout are required: what a branch must re-sweep before it merges.
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import tomllib
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import pandas as pd
+
+import lab
+from lab import identity, problems, registry, space
+from lab.devices import LabError, PROFILES, get_profile
+
+# Row version keys that are not toolchain pins (identity, harness, the image's own builds).
+_NOT_PINNED = {"lab", "lane_sha", "lane_code", "lane_files", "python", "torch", "cuda", "cublas"}
+
+
+@dataclass
+class Entry:
+    """One (kernel, DSL, device profile): ``status`` is fresh, stale or never measured."""
+    kernel: str
+    dsl: str
+    device: str
+    required: bool
+    status: str = "never measured"
+    changes: list[str] = field(default_factory=list)
+    stale_shapes: list[str] = field(default_factory=list)
+    emulated: bool = False
+    touched: bool | None = None  # with --base: did base..checkout change what this lane's rows depend on
+    needed: bool = False          # named by gate.toml (``required`` drops it when --base did not touch it)
+
+    @property
+    def failing(self) -> bool:
+        return self.required and self.status != "fresh"
+
+    def command(self) -> str:
+        cmd = f"python -m lab sweep {self.kernel} --device {self.device} --dsl {self.dsl}"
+        cmd += "".join(f" --shape {s}" for s in self.stale_shapes)
+        return cmd + (" --emulate" if self.emulated else "")
+
+    def line(self) -> str:
+        what = self.status if not self.changes else f"{self.status}: {'; '.join(self.changes)}"
+        mark = "required" if self.required else "untouched" if self.needed else "optional"
+        text = f"{self.kernel:14} {self.dsl:9} {self.device:7} [{mark}] {what}"
+        return text if self.status == "fresh" else f"{text}  ->  {self.command()}"
+
+
+def requirements(path: Path | None = None) -> dict[str, list[str]]:
+    """{kernel: required device profiles} from sweeps/gate.toml (``default`` for kernels not named)."""
+    path = path or space.sweeps_dir() / "gate.toml"
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise LabError(f"missing gate file {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise LabError(f"malformed gate file {path}: {exc}") from None
+    req = data.get("required")
+    if not isinstance(req, dict) or not isinstance(req.get("default"), list):
+        raise LabError(f"malformed gate file {path}: needs [required] with default = [device, ...]")
+    known = problems.names()
+    for key, devices in req.items():
+        if key != "default" and key not in known:
+            raise LabError(f"gate file {path}: unknown kernel {key!r} (known: {', '.join(known)})")
+        if not isinstance(devices, list):
+            raise LabError(f"gate file {path}: {key} must be a list of device profiles")
+        for d in devices:
+            get_profile(d)
+    return {k: list(req.get(k, req["default"])) for k in known}
+
+
+def pinned_toolchain(text: str | None = None) -> dict[str, str]:
+    """{package: version} of every ``name==version`` pin in pyproject.toml (dependencies and extras);
+    ``text``: another version of that file."""
+    data = tomllib.loads(text if text is not None else (identity.ROOT / "pyproject.toml").read_text())
+    proj = data.get("project", {})
+    specs = list(proj.get("dependencies", [])) + [s for v in proj.get("optional-dependencies", {}).values() for s in v]
+    pins = {}
+    for s in specs:
+        m = re.match(r"\s*([A-Za-z0-9_.\-]+)\s*==\s*([^;\s]+)", s)
+        if m:
+            pins[m.group(1).lower()] = m.group(2)
+    return pins
+
+
+def _pin_for(name: str, pins: dict[str, str]) -> str | None:
+    name = name.lower()
+    if name in pins:
+        return pins[name]
+    return next((v for n, v in pins.items() if n.endswith("-" + name)), None)
+
+
+@lru_cache(maxsize=None)
+def _identity_at(module: str, commit: str) -> dict | None:
+    return identity.identity_at_commit(module, commit)
+
+
+def measured_identity(module: str, versions: dict, commit: str, dirty: bool) -> dict | None:
+    """The lane files a row was measured with: recorded in the row, else rebuilt at its git commit
+    (a dirty checkout's commit does not say what ran: None)."""
+    if "lane_files" in versions:
+        return {"lane_code": versions.get("lane_code"), "lane_files": versions["lane_files"]}
+    if commit and commit != "unknown" and not dirty:
+        return _identity_at(module, commit)
+    return None
+
+
+def code_changes(measured: dict | None, current: dict) -> set[str]:
+    """Files whose code differs between a measured identity and the checkout's ("?" when the
+    measured identity is unknown)."""
+    if measured is None:
+        return {"? (no identity recorded; dirty or unknown commit)"}
+    a, b = measured["lane_files"], current["lane_files"]
+    return {p for p in a.keys() | b.keys() if a.get(p) != b.get(p)}
+
+
+def version_changes(versions: dict, pins: dict[str, str]) -> list[str]:
+    out = []
+    if versions.get("lab") != lab.__version__:
+        out.append(f"harness {versions.get('lab')} -> {lab.__version__}")
+    for name, was in sorted(versions.items()):
+        if name in _NOT_PINNED:
+            continue
+        now = _pin_for(name, pins)
+        if now is not None and now != was:
+            out.append(f"{name} {was} -> {now}")
+    return out
+
+
+def ok_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """Measured, parity-checked rows (compile-only and failed trials excluded)."""
+    if df.empty:
+        return df
+    keep = (df["status"] == "ok") & ~df["compile_only"].fillna(False).astype(bool) & df["time_ms"].notna()
+    return df[keep]
+
+
+def newest_per_shape(rows: pd.DataFrame) -> pd.DataFrame:
+    return rows.sort_values("time_utc").groupby("shape", sort=True).tail(1)
+
+
+def _evaluate(entry: Entry, rows: pd.DataFrame, module: str, current: dict, pins: dict) -> None:
+    if rows.empty:
+        entry.status = "never measured"
+        return
+    files: set[str] = set()
+    others: list[str] = []
+    for _, r in newest_per_shape(rows).iterrows():
+        versions = json.loads(r["versions_json"] or "{}")
+        code = code_changes(measured_identity(module, versions, str(r["git_commit"]), bool(r["git_dirty"])), current)
+        other = version_changes(versions, pins)
+        if code or other:
+            entry.stale_shapes.append(r["shape"])
+        files |= code
+        others += [c for c in other if c not in others]
+        entry.emulated = entry.emulated or bool(r["emulated"])
+    entry.stale_shapes.sort()
+    if not entry.stale_shapes:
+        entry.status = "fresh"
+        return
+    entry.status = "stale"
+    entry.changes = ([f"lane code {', '.join(sorted(files))}"] if files else []) + others
+    entry.changes.append(f"shapes {', '.join(entry.stale_shapes)}")
+
+
+@dataclass
+class BaseDiff:
+    """What changed between a git ref and the checkout."""
+    harness: bool
+    pins: set[str]
+    lanes: dict[tuple[str, str], bool]  # (kernel, DSL) -> lane code changed
+
+    def touches(self, lane: registry.Lane, version_keys: set[str]) -> bool:
+        """Lane code or harness changed, or a pin of a package the lane's rows recorded (by name, or
+        the DSL's own name for a lane never measured)."""
+        keys = {k.lower() for k in version_keys} or {lane.dsl}
+        pins = any(p == k or p.endswith("-" + k) for p in self.pins for k in keys)
+        return self.harness or self.lanes[(lane.kernel, lane.dsl)] or pins
+
+
+def diff_since(base: str, lanes: list[registry.Lane]) -> BaseDiff:
+    ok = subprocess.run(["git", "cat-file", "-e", f"{base}^{{commit}}"], cwd=identity.ROOT, capture_output=True)
+    if ok.returncode != 0:
+        raise LabError(f"unknown git ref {base!r}")
+    read = identity.git_reader(base)
+    m = re.search(r'__version__\s*=\s*"([^"]+)"', read("lab/__init__.py") or "")
+    old, new = pinned_toolchain(text=read("pyproject.toml") or ""), pinned_toolchain()
+    return BaseDiff(harness=(m.group(1) if m else None) != lab.__version__,
+                    pins={n for n in old.keys() | new.keys() if old.get(n) != new.get(n)},
+                    lanes={(ln.kernel, ln.dsl): identity.closure(ln.module_name, read)
+                           != identity.lane_identity(ln.module_name)["lane_files"] for ln in lanes})
+
+
+def evaluate(df: pd.DataFrame, devices: list[str] | None = None, base: str | None = None,
+             required: dict[str, list[str]] | None = None, kernels: list[str] | None = None,
+             dsls: list[str] | None = None) -> list[Entry]:
+    """Every entry with results or required, in kernel / DSL / device order (``kernels``, ``dsls``,
+    ``devices``: only those)."""
+    required = required if required is not None else requirements()
+    for d in devices or []:
+        get_profile(d)
+    pins = pinned_toolchain()
+    ok = ok_rows(df)
+    entries = []
+    for k in kernels or []:
+        problems.get(k)
+    for d in dsls or []:
+        if d not in registry.dsls():
+            raise LabError(f"unknown DSL {d!r} (known: {', '.join(registry.dsls())})")
+    lanes = [lane for k in problems.names() if not kernels or k in kernels
+             for lane in registry.lanes_for(k) if not dsls or lane.dsl in dsls]
+    diff = diff_since(base, lanes) if base else None
+    for lane in lanes:
+        current = identity.lane_identity(lane.module_name)
+        rows = ok[(ok["kernel"] == lane.kernel) & (ok["dsl"] == lane.dsl)] if not ok.empty else ok
+        measured = set(rows["requested_profile"]) if not rows.empty else set()
+        for device in PROFILES:
+            if devices and device not in devices:
+                continue
+            need = device in required.get(lane.kernel, [])
+            if not need and device not in measured:
+                continue
+            e = Entry(lane.kernel, lane.dsl, device, need, needed=need)
+            mine = rows[rows["requested_profile"] == device] if not rows.empty else rows
+            if diff:
+                keys = {k for v in mine["versions_json"] for k in json.loads(v or "{}")} - _NOT_PINNED
+                e.touched = diff.touches(lane, keys)
+                e.required = need and e.touched
+            _evaluate(e, mine, lane.module_name, current, pins)
+            entries.append(e)
+    return entries

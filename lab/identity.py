@@ -1,0 +1,155 @@
+"""What a lane's measurements depend on: the code of its module and of the kernels/ modules it imports.
+
+A lane's identity is a hash of each file's code with docstrings and comments stripped (the hash of
+``ast.dump`` of the parsed module, docstrings removed), so that editing prose leaves results fresh
+and editing a helper the lane imports (kernels/triton/_m2rnn.py, kernels/cute/_aot.py, ...) makes
+them stale. The import closure is followed through every kernel package (``registry.kernel_packages``),
+never into the harness or a DSL. The same walk runs over any file reader, so the identity of a lane
+at an older git commit can be rebuilt from ``git show`` (see ``identity_at_commit``).
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+Reader = Callable[[str], "str | None"]
+
+
+def code_hash(source: str) -> str:
+    """12 hex digits of the sha1 of the module's syntax tree without docstrings (comments and layout
+    never reach the tree). Source that does not parse hashes as text, so a broken file still differs."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return "unparsed-" + hashlib.sha1(source.encode()).hexdigest()[:12]
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                    and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+    return hashlib.sha1(ast.dump(tree, include_attributes=False).encode()).hexdigest()[:12]
+
+
+def _package_dirs() -> dict[str, Path]:
+    from lab.registry import kernel_packages
+    dirs = {}
+    for name in kernel_packages():
+        mod = importlib.import_module(name)
+        dirs[name] = Path(next(iter(mod.__path__))).resolve()
+    return dirs
+
+
+def _rel(path: Path) -> str:
+    try:
+        return path.resolve().relative_to(ROOT).as_posix()
+    except ValueError:
+        return str(path.resolve())
+
+
+def _candidates(module: str, packages: dict[str, Path]) -> list[str]:
+    """Files (repo-relative where possible) that could hold ``module``, package __init__ included."""
+    parts = module.split(".")
+    if parts[0] not in packages:
+        return []
+    base = packages[parts[0]].joinpath(*parts[1:])
+    return [_rel(base.with_suffix(".py")) if len(parts) > 1 else _rel(base / "__init__.py"),
+            _rel(base / "__init__.py")]
+
+
+def _imports(source: str, module: str, is_package: bool) -> list[str]:
+    """Absolute names of every module ``source`` may import (``from a import b`` yields a and a.b)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    names = []
+    pkg = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = pkg.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            names.append(base)
+            names += [f"{base}.{a.name}" for a in node.names if a.name != "*"]
+    return names
+
+
+def closure(module: str, read: Reader, packages: dict[str, Path] | None = None) -> dict[str, str]:
+    """{file: code hash} for ``module`` and every kernel-package module it imports, transitively.
+    ``read(path)`` returns a file's text or None when it does not exist."""
+    packages = packages if packages is not None else _package_dirs()
+    found: dict[str, str] = {}
+    todo = [module]
+    seen = set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        # Packages on the way run their __init__ on import.
+        parts = name.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))]
+        for path in _candidates(name, packages):
+            if path in found:
+                break
+            text = read(path)
+            if text is None:
+                continue
+            found[path] = code_hash(text)
+            todo += _imports(text, name, path.endswith("__init__.py"))
+            break
+    return dict(sorted(found.items()))
+
+
+def summary_hash(files: dict[str, str]) -> str:
+    return hashlib.sha1("\n".join(f"{p} {h}" for p, h in sorted(files.items())).encode()).hexdigest()[:12]
+
+
+def _read_checkout(path: str) -> str | None:
+    p = Path(path) if Path(path).is_absolute() else ROOT / path
+    try:
+        return p.read_text()
+    except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError):
+        return None
+
+
+def lane_identity(module_name: str) -> dict:
+    """{"lane_code": summary hash, "lane_files": {file: code hash}} of a lane module in this checkout."""
+    files = closure(module_name, _read_checkout)
+    return {"lane_code": summary_hash(files), "lane_files": files}
+
+
+def git_reader(commit: str, root: Path | None = None) -> Reader:
+    """Reads repo-relative files as they were at ``commit`` (None when absent there)."""
+    root = root or ROOT
+    listing = subprocess.run(["git", "ls-tree", "-r", "--name-only", commit], cwd=root, capture_output=True,
+                             text=True, timeout=60).stdout.split("\n")
+    present = set(listing)
+
+    def read(path: str) -> str | None:
+        if path not in present:
+            return None
+        p = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=root, capture_output=True, timeout=30)
+        return p.stdout.decode(errors="replace") if p.returncode == 0 else None
+    return read
+
+
+def identity_at_commit(module_name: str, commit: str, root: Path | None = None) -> dict | None:
+    """The lane's identity at a git commit, or None when the commit is not in this repository."""
+    root = root or ROOT
+    ok = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=root, capture_output=True, timeout=30)
+    if ok.returncode != 0:
+        return None
+    files = closure(module_name, git_reader(commit, root))
+    return {"lane_code": summary_hash(files), "lane_files": files} if files else None

@@ -1,0 +1,302 @@
+"""The re-sweep gate, lane identities and the tuned-config export, on fixture result tables.
+
+Each test builds a throwaway git repository holding two toy lanes of the gemm kernel (DSLs "toy" and
+"toy2", both importing a helper), writes result rows measured at its first commit, then edits the
+repository the way a change would."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import lab
+from lab import gate, identity, registry, results, tuned
+from lab.devices import LabError
+
+LANE = '''"""A toy lane {name}."""
+from gatepkg.{dsl} import _helper
+
+DSL = "{dsl}"
+KERNEL = "gemm"
+TUNABLES = ("BLOCK",)
+DEFAULTS = {{"BLOCK": 64}}
+
+
+def config_reason(config, shape):
+    return None
+
+
+def eligibility(target):
+    return None
+
+
+def target_reason(config, target):
+    return None
+
+
+def smem_estimate(config, shape, target):
+    return _helper.smem(config)
+
+
+def compile_for(config, shape, target):
+    raise NotImplementedError
+
+
+def build(config, shape):
+    raise NotImplementedError
+
+
+def versions():
+    return {{"toolkit": "1.0"}}
+'''
+HELPER = '''def smem(config):
+    return config["BLOCK"] * 1024  # bytes
+'''
+PYPROJECT = '[project]\nname = "fixture"\ndependencies = ["toolkit==1.0", "torch>=2"]\n'
+
+
+def _git(repo, *args):
+    return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture
+def repo(tmp_path, monkeypatch, lab_env):
+    root = tmp_path / "repo"
+    for dsl in ("toy", "toy2"):
+        d = root / "gatepkg" / dsl
+        d.mkdir(parents=True)
+        (d / "__init__.py").write_text("")
+        (d / "gemm.py").write_text(LANE.format(dsl=dsl, name=dsl))
+        (d / "_helper.py").write_text(HELPER)
+    (root / "gatepkg" / "__init__.py").write_text("")
+    (root / "lab").mkdir()
+    (root / "lab" / "__init__.py").write_text(f'__version__ = "{lab.__version__}"\n')
+    (root / "pyproject.toml").write_text(PYPROJECT)
+    _git(root, "init", "-q")
+    _git(root, "-c", "user.email=t@t", "-c", "user.name=t", "add", "-A")
+    _git(root, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "first")
+    (lab_env.sweeps / "gate.toml").write_text('[required]\ndefault = []\ngemm = ["h100"]\n')
+    monkeypatch.setattr(identity, "ROOT", root)
+    monkeypatch.setenv("LAB_KERNEL_PACKAGES", "gatepkg")
+    monkeypatch.syspath_prepend(str(root))
+    for name in [m for m in sys.modules if m.startswith("gatepkg")]:
+        monkeypatch.delitem(sys.modules, name)
+    registry._LANES.clear()
+    gate._identity_at.cache_clear()
+
+    class Repo:
+        path = root
+        head = _git(root, "rev-parse", "HEAD")
+        results = lab_env.results
+
+        @staticmethod
+        def commit(msg="change"):
+            _git(root, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qam", msg)
+            return _git(root, "rev-parse", "HEAD")
+    yield Repo
+    registry._LANES.clear()
+
+
+def _row(dsl, *, device="h100", shape="sq4096_bf16", ms=1.0, phase="sweep", commit="", legacy=False,
+         config=None, emulated=False, time_utc="2026-11-24T10:00:00Z", status="ok"):
+    versions = {"lab": lab.__version__, "toolkit": "1.0"}
+    size = 8192 if "8192" in shape else 4096
+    if not legacy:
+        versions.update(identity.lane_identity(f"gatepkg.{dsl}.gemm"))
+    row = {c: None for c in results.COLUMNS}
+    row.update(run_id=f"run-{dsl}-{device}", time_utc=time_utc, git_commit=commit, git_dirty=False, kernel="gemm",
+               dsl=dsl, baseline=False, shape=shape, shape_json=json.dumps({**dict.fromkeys("MNK", size),
+                                                                            "dtype": "bfloat16"}),
+               dtype="bfloat16", config_json=json.dumps(config or {"BLOCK": 64}), phase=phase, trial=0,
+               requested_profile=device, actual_gpu="NVIDIA H100 80GB HBM3", actual_profile="h100",
+               compile_target="sm_90a", emulated=emulated, compile_only=False, status=status, time_ms=ms,
+               parity_rel_l2=1e-3, versions_json=json.dumps(versions), samples_ms=[ms])
+    return row
+
+
+def _write(repo, rows):
+    w = results.RunWriter(repo.results / "h100" / "gemm", f"fixture-{len(list(repo.results.rglob('*.parquet')))}")
+    for r in rows:
+        w.add(r)
+    return results.load(repo.results)
+
+
+def _entries(df, **kw):
+    return {(e.dsl, e.device): e for e in gate.evaluate(df, dsls=["toy", "toy2"], **kw)}
+
+
+def _gate_cli(repo, *extra):
+    from lab.cli import main
+    return main(["gate", "--dsl", "toy", "toy2", "--results", str(repo.results), *extra])
+
+
+def test_code_hash_ignores_docstrings_and_comments_only():
+    base = 'def f(x):\n    """Doc."""\n    return x + 1  # one\n'
+    assert identity.code_hash(base) == identity.code_hash('def f(x):\n    """Other words."""\n    return x + 1\n')
+    assert identity.code_hash(base) != identity.code_hash('def f(x):\n    """Doc."""\n    return x + 2\n')
+
+
+def test_identity_follows_the_kernel_modules_a_lane_imports(repo):
+    files = identity.lane_identity("gatepkg.toy.gemm")["lane_files"]
+    assert set(files) == {"gatepkg/__init__.py", "gatepkg/toy/__init__.py", "gatepkg/toy/gemm.py",
+                          "gatepkg/toy/_helper.py"}
+    # The real lanes: the Triton M2RNN lane's shared helper and the CuTe DSL lanes' AOT helper count.
+    monkeypatch_root = identity.ROOT
+    assert monkeypatch_root == repo.path
+
+
+def test_real_lanes_hash_their_helpers():
+    real = identity.ROOT
+    assert (real / "kernels").is_dir()
+    assert "kernels/triton/_m2rnn.py" in identity.lane_identity("kernels.triton.m2rnn_fwd")["lane_files"]
+    assert "kernels/cute/_aot.py" in identity.lane_identity("kernels.cute.m2rnn_bwd")["lane_files"]
+    assert "kernels/cutile/gemm.py" in identity.lane_identity("kernels.cutile.m2rnn_bwd")["lane_files"]
+
+
+def test_gate_fresh_then_docstring_edit_stays_fresh(repo, capsys):
+    df = _write(repo, [_row("toy", commit=repo.head), _row("toy2", commit=repo.head)])
+    e = _entries(df)
+    assert e[("toy", "h100")].status == "fresh" and e[("toy2", "h100")].status == "fresh"
+    lane = repo.path / "gatepkg" / "toy" / "gemm.py"
+    lane.write_text(lane.read_text().replace('"""A toy lane toy."""', '"""Reworded."""  # and a comment'))
+    assert _entries(df)[("toy", "h100")].status == "fresh"
+    assert _gate_cli(repo) == 0
+    assert "2 fresh, 0 stale" in capsys.readouterr().out
+
+
+def test_gate_changed_helper_is_stale_with_the_command(repo, capsys):
+    df = _write(repo, [_row("toy", commit=repo.head), _row("toy2", commit=repo.head)])
+    helper = repo.path / "gatepkg" / "toy" / "_helper.py"
+    helper.write_text(HELPER.replace("1024", "2048"))
+    e = _entries(df)[("toy", "h100")]
+    assert e.status == "stale" and e.failing
+    assert "lane code gatepkg/toy/_helper.py" in e.changes[0]
+    assert e.command() == "python -m lab sweep gemm --device h100 --dsl toy --shape sq4096_bf16"
+    assert _entries(df)[("toy2", "h100")].status == "fresh"
+    assert _gate_cli(repo) == 1
+    out = capsys.readouterr().out
+    assert "stale: lane code gatepkg/toy/_helper.py" in out and "->  python -m lab sweep gemm" in out
+
+
+def test_gate_changed_toolchain_pin_and_harness(repo):
+    df = _write(repo, [_row("toy", commit=repo.head)])
+    (repo.path / "pyproject.toml").write_text(PYPROJECT.replace("toolkit==1.0", "toolkit==1.1"))
+    e = _entries(df)[("toy", "h100")]
+    assert e.status == "stale" and "toolkit 1.0 -> 1.1" in e.changes
+    old = _row("toy", commit=repo.head)
+    old["versions_json"] = json.dumps({**json.loads(old["versions_json"]), "lab": "0.0.1"})
+    (repo.path / "pyproject.toml").write_text(PYPROJECT)
+    e = _entries(_write(repo, [{**old, "time_utc": "2026-11-25T00:00:00Z"}]))[("toy", "h100")]
+    assert e.status == "stale" and f"harness 0.0.1 -> {lab.__version__}" in e.changes
+
+
+def test_gate_device_never_measured_and_emulated_command(repo, lab_env):
+    (lab_env.sweeps / "gate.toml").write_text('[required]\ndefault = []\ngemm = ["h100", "gb10"]\n')
+    df = _write(repo, [_row("toy", commit=repo.head), _row("toy", commit=repo.head, device="gb10", emulated=True)])
+    e = _entries(df)
+    assert e[("toy2", "gb10")].status == "never measured" and e[("toy2", "gb10")].failing
+    assert e[("toy", "gb10")].status == "fresh"
+    (repo.path / "gatepkg" / "toy" / "_helper.py").write_text(HELPER.replace("1024", "4096"))
+    assert _entries(df)[("toy", "gb10")].command().endswith("--emulate")
+    # A device nobody requires and nobody measured is not listed; failed rows do not count as measured.
+    df = _write(repo, [_row("toy2", commit=repo.head, device="h200", status="wrong_result")])
+    assert ("toy2", "h200") not in _entries(df)
+
+
+def test_gate_legacy_rows_judged_by_the_identity_at_their_commit(repo):
+    df = _write(repo, [_row("toy", commit=repo.head, legacy=True), _row("toy2", commit="", legacy=True)])
+    e = _entries(df)
+    assert e[("toy", "h100")].status == "fresh"
+    assert e[("toy2", "h100")].status == "stale" and "no identity recorded" in e[("toy2", "h100")].changes[0]
+    lane = repo.path / "gatepkg" / "toy" / "gemm.py"
+    lane.write_text(lane.read_text().replace("return None\n\n\ndef eligibility", "return 'no'\n\n\ndef eligibility"))
+    assert _entries(df)[("toy", "h100")].status == "stale"
+
+
+def test_gate_base_requires_only_the_lanes_the_branch_touched(repo, capsys):
+    first = repo.head
+    df = _write(repo, [_row("toy", commit=first), _row("toy2", commit=first)])
+    helper = repo.path / "gatepkg" / "toy" / "_helper.py"
+    helper.write_text(HELPER.replace("1024", "2048"))
+    second = repo.commit("toy helper")
+    e = _entries(df, base=first)
+    assert e[("toy", "h100")].touched and e[("toy", "h100")].required and e[("toy", "h100")].status == "stale"
+    assert e[("toy2", "h100")].touched is False and not e[("toy2", "h100")].required
+    assert _gate_cli(repo, "--base", first) == 1
+    assert "[untouched] fresh" in capsys.readouterr().out
+    # Measured at the first commit, the toy lane is stale; from the second commit on nothing is touched.
+    e = _entries(df, base=second)
+    assert e[("toy", "h100")].status == "stale" and not e[("toy", "h100")].failing
+    assert _gate_cli(repo, "--base", second) == 0
+    # A docstring-only commit touches nothing.
+    lane = repo.path / "gatepkg" / "toy2" / "gemm.py"
+    lane.write_text(lane.read_text().replace("A toy lane", "A lane"))
+    third = repo.commit("prose")
+    assert not _entries(df, base=second)[("toy2", "h100")].touched
+    assert third
+
+
+def test_gate_bad_input_is_one_line(repo, lab_env, capsys):
+    from lab.cli import main
+    assert main(["gate", "--base", "no-such-ref", "--results", str(repo.results)]) == 2
+    assert main(["gate", "--device", "h300", "--results", str(repo.results)]) == 2
+    (lab_env.sweeps / "gate.toml").write_text("[required]\ngemm = 3\n")
+    assert main(["gate", "--results", str(repo.results)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("error: ") for line in err)
+    assert "unknown git ref" in err[0] and "h300" in err[1] and "gate file" in err[2]
+
+
+def test_export_and_best_round_trip(repo, capsys):
+    rows = [_row("toy", commit=repo.head, ms=2.0, config={"BLOCK": 64}),
+            _row("toy", commit=repo.head, ms=1.5, config={"BLOCK": 128}),
+            _row("toy", commit=repo.head, ms=1.7, config={"BLOCK": 32}, phase="confirm"),
+            _row("toy", commit=repo.head, ms=1.9, config={"BLOCK": 64}, phase="confirm"),
+            _row("toy", commit=repo.head, ms=0.5, config={"BLOCK": 16}, status="wrong_result"),
+            _row("toy2", commit=repo.head, ms=3.0, shape="sq8192_bf16")]
+    _write(repo, rows)
+    from lab.cli import main
+    out = repo.path / "tuned"
+    assert main(["export", "--results", str(repo.results), "--out", str(out)]) == 0
+    doc = json.loads((out / "h100.json").read_text())
+    assert doc["format"] == tuned.FORMAT and {e["dsl"] for e in doc["entries"]} == {"toy", "toy2"}
+    t = tuned.best("gemm", "toy", "h100", "sq4096_bf16", path=out)
+    # The fastest confirmed config wins over a faster unconfirmed sweep trial; failed trials never.
+    assert t.config == {"BLOCK": 32} and t.exact and t.median_ms == 1.7 and t.fresh
+    entry = next(e for e in doc["entries"] if e["dsl"] == "toy")
+    assert entry["timing"] == "confirm" and entry["lane_files"]["gatepkg/toy/_helper.py"]
+    assert tuned.best("gemm", "toy", "h100", {"M": 4096, "N": 4096, "K": 4096, "dtype": "bfloat16"}, path=out).exact
+    with pytest.raises(LabError, match="no tuned gemm/toy2 on h100 at shape 'sq4096_bf16'.*nearest=True"):
+        tuned.best("gemm", "toy2", "h100", "sq4096_bf16", path=out)
+    near = tuned.best("gemm", "toy2", "h100", {"M": 4096, "N": 4096, "K": 4096, "dtype": "bfloat16"},
+                      nearest=True, path=out)
+    assert not near.exact and near.shape == "sq8192_bf16" and near.label.startswith("nearest to")
+    with pytest.raises(LabError, match="non-numeric dims"):
+        tuned.best("gemm", "toy2", "h100", {"M": 4096, "N": 4096, "K": 4096, "dtype": "float32"}, nearest=True,
+                   path=out)
+    with pytest.raises(LabError, match="no tuned configs for device 'gb10'"):
+        tuned.best("gemm", "toy", "gb10", "sq4096_bf16", path=out)
+    with pytest.raises(LabError, match="no tuned gemm/cute"):
+        tuned.best("gemm", "cute", "h100", "sq4096_bf16", path=out)
+    # A code change after the export marks the exported entry as not fresh on the next export.
+    (repo.path / "gatepkg" / "toy" / "_helper.py").write_text(textwrap.dedent(HELPER).replace("1024", "512"))
+    tuned.export(results.load(repo.results), out, ["h100"])
+    assert not tuned.best("gemm", "toy", "h100", "sq4096_bf16", path=out).fresh
+
+
+def test_committed_export_matches_the_committed_results(tmp_path):
+    """results/tuned/ is what `python -m lab export` writes from results/ (``fresh`` aside, which
+    follows the checkout): rerun the export after committing new rows."""
+    committed = identity.ROOT / "results" / "tuned"
+    written = tuned.export(results.load(identity.ROOT / "results"), tmp_path)
+    assert sorted(p.name for p in written) == sorted(p.name for p in committed.glob("*.json"))
+
+    def strip(doc):
+        for e in doc["entries"]:
+            e.pop("fresh")
+        return doc
+    for p in written:
+        assert strip(json.loads(p.read_text())) == strip(json.loads((committed / p.name).read_text())), p.name
