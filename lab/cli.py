@@ -1,4 +1,4 @@
-"""Command line: python -m lab {devices,list,preflight,sweep,report}.
+"""Command line: python -m lab {devices,list,preflight,sweep,gate,export,report}.
 
 Bad input (unknown kernel, device, DSL, shape or config key; malformed sweep file) prints one line
 ``error: ...`` on stderr and exits with status 2.
@@ -122,6 +122,33 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_gate(args) -> int:
+    """Exit 1 when a required entry is stale or never measured; 0 when every one is fresh."""
+    from lab import gate, results
+    df = results.load(args.results)
+    if args.run:
+        from lab import gate_run
+        return gate_run.refresh(df, detect(), devices=args.device, kernels=args.kernel, dsls=args.dsl,
+                                trials=args.trials, results_dir=Path(args.results), timeout_s=args.timeout)
+    entries = gate.evaluate(df, devices=args.device, base=args.base, kernels=args.kernel, dsls=args.dsl)
+    scope = f"lanes touched since {args.base}" if args.base else "every required entry"
+    print(f"gate: {len(df)} rows under {args.results}; required: {scope} (sweeps/gate.toml)")
+    for e in entries:
+        print(e.line())
+    failing = [e for e in entries if e.failing]
+    counts = {s: sum(e.status == s for e in entries) for s in ("fresh", "stale", "never measured")}
+    print(f"{counts['fresh']} fresh, {counts['stale']} stale, {counts['never measured']} never measured; "
+          f"{len(failing)} required entr{'y needs' if len(failing) == 1 else 'ies need'} a sweep")
+    return 1 if failing else 0
+
+
+def cmd_export(args) -> int:
+    from lab import results, tuned
+    for path in tuned.export(results.load(args.results), Path(args.out), args.device):
+        print(f"tuned: {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lab", description="GPU kernel lab: sweep, check and compare kernels across DSLs")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -167,6 +194,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-confirm", action="store_true", help="skip the A/B re-timing of the best configs")
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(fn=cmd_sweep)
+
+    s = sub.add_parser("gate", help="which results no longer describe the checkout: what a merge must re-sweep (no GPU)")
+    s.add_argument("--base", help="git ref: require only the lanes that base..checkout touched")
+    s.add_argument("--device", nargs="+", help="device profiles to check (default: all with results or required)")
+    s.add_argument("--kernel", nargs="+", help="only these kernels")
+    s.add_argument("--dsl", nargs="+", help="only these DSLs")
+    s.add_argument("--results", default="results")
+    s.add_argument("--run", action="store_true", help="on a GPU: re-sweep the stale entries of this device (and of any "
+                   "--device named, emulated) and A/B the new best against the previous best's code; exit 1 on "
+                   "SLOWER or a wrong result")
+    s.add_argument("--trials", type=int, default=8, help="with --run: new trials per stale shape after the previous best")
+    s.add_argument("--timeout", type=float, default=300.0, help="with --run: seconds per candidate")
+    s.set_defaults(fn=cmd_gate)
+
+    s = sub.add_parser("export", help="write the best confirmed config per kernel, DSL and shape to results/tuned/<device>.json")
+    s.add_argument("--device", nargs="+", help="device profiles (default: every one with ok rows)")
+    s.add_argument("--results", default="results")
+    s.add_argument("--out", default="results/tuned")
+    s.set_defaults(fn=cmd_export)
 
     s = sub.add_parser("report", help="markdown summary and PNG plots of result tables")
     s.add_argument("path", nargs="?", default="results")

@@ -141,10 +141,12 @@ def version_changes(versions: dict, pins: dict[str, str]) -> list[str]:
 
 
 def ok_rows(df: pd.DataFrame) -> pd.DataFrame:
-    """Measured, parity-checked rows (compile-only and failed trials excluded)."""
+    """Measured, parity-checked rows (compile-only and failed trials excluded, and the gate's re-runs
+    of previous code, phase gate_previous)."""
     if df.empty:
         return df
-    keep = (df["status"] == "ok") & ~df["compile_only"].fillna(False).astype(bool) & df["time_ms"].notna()
+    keep = (df["status"] == "ok") & ~df["compile_only"].fillna(False).astype(bool) & df["time_ms"].notna() \
+        & (df["phase"] != "gate_previous")
     return df[keep]
 
 

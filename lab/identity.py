@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import re
 import importlib
 import subprocess
 from collections.abc import Callable
@@ -55,12 +56,12 @@ def _rel(path: Path) -> str:
 
 def _candidates(module: str, packages: dict[str, Path]) -> list[str]:
     """Files (repo-relative where possible) that could hold ``module``, package __init__ included."""
-    parts = module.split(".")
-    if parts[0] not in packages:
+    pkg = next((p for p in sorted(packages, key=len, reverse=True) if module == p or module.startswith(p + ".")), None)
+    if pkg is None:
         return []
-    base = packages[parts[0]].joinpath(*parts[1:])
-    return [_rel(base.with_suffix(".py")) if len(parts) > 1 else _rel(base / "__init__.py"),
-            _rel(base / "__init__.py")]
+    rest = module[len(pkg):].lstrip(".").split(".") if module != pkg else []
+    base = packages[pkg].joinpath(*rest)
+    return [_rel(base.with_suffix(".py")) if rest else _rel(base / "__init__.py"), _rel(base / "__init__.py")]
 
 
 def _imports(source: str, module: str, is_package: bool) -> list[str]:
@@ -153,3 +154,39 @@ def identity_at_commit(module_name: str, commit: str, root: Path | None = None) 
         return None
     files = closure(module_name, git_reader(commit, root))
     return {"lane_code": summary_hash(files), "lane_files": files} if files else None
+
+
+def materialize(module_name: str, commit: str, dest: Path) -> tuple[str, str]:
+    """Writes the lane as it was at ``commit`` (its import closure) under ``dest`` as a separate lane
+    package, so that the previous code and the checkout's can run side by side in one process.
+    Returns (package, DSL name) of the copy: ``labprev_<commit>`` and ``<dsl>_at_<commit>``; the
+    copy's imports of its kernel package are rewritten to point at the copy. Needs ``dest`` on
+    sys.path and the package in LAB_KERNEL_PACKAGES to be found by the registry."""
+    top, dsl, _ = module_name.rsplit(".", 2)
+    tag = commit[:10]
+    pkg, new_dsl = f"labprev_{tag}", f"{dsl}_at_{tag}"
+    read = git_reader(commit)
+    files = closure(module_name, read)
+    if not files:
+        raise FileNotFoundError(f"{module_name} is not in commit {commit}")
+    imports = re.compile(rf"^(\s*(?:from|import)\s+){re.escape(top)}((?:\.\w+)*)", re.M)
+
+    def rename(match) -> str:
+        parts = match.group(2).split(".")[1:]
+        if parts and parts[0] == dsl:
+            parts[0] = new_dsl
+        return match.group(1) + ".".join([pkg, *parts])
+    prefix = Path(_rel(_package_dirs()[top])).parts
+    for rel in files:
+        parts = Path(rel).parts
+        if parts[: len(prefix)] != prefix:
+            continue  # another kernel package: the copy imports today's
+        inner = parts[len(prefix):]
+        mapped = [pkg] + [new_dsl if i == 0 and p == dsl else p for i, p in enumerate(inner)]
+        out = Path(dest).joinpath(*mapped)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(imports.sub(rename, read(rel)))
+    for init in (Path(dest) / pkg / "__init__.py", Path(dest) / pkg / new_dsl / "__init__.py"):
+        if not init.exists():
+            init.write_text("")
+    return pkg, new_dsl

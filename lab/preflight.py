@@ -13,10 +13,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from lab import identity
 from lab.devices import DeviceProfile
 from lab.registry import Lane
 from lab.space import Space, config_key
@@ -52,8 +55,7 @@ def lane_cache_env(lane: Lane, target: str) -> dict:
 
 def _cache_file(lane: Lane, target: str) -> Path:
     tag = hashlib.sha1(json.dumps(lane.module.versions(), sort_keys=True).encode()).hexdigest()[:10]
-    src = Path(lane.module.__file__).read_bytes()
-    tag += "-" + hashlib.sha1(src).hexdigest()[:10]
+    tag += "-" + identity.lane_identity(lane.module_name)["lane_code"][:10]
     return cache_dir() / "preflight" / f"{lane.dsl}-{lane.kernel}-{target}-{tag}.json"
 
 
@@ -233,3 +235,37 @@ def _compile_all(lane: Lane, configs: list[dict], shape: dict, target: str, work
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
         return [first] + list(pool.map(_compile_in_process,
                                        [(lane.dsl, lane.kernel, c, shape, target) for c in rest]))
+
+
+def _reason_group(reason: str) -> str:
+    """A reason with the config's own numbers masked (``BLOCK_M=256 must be ...`` -> ``BLOCK_M=… must be
+    ...``), so that configs refused by the same rule fall in one group; restrictions stay as written."""
+    if reason.startswith("restriction:"):
+        return reason
+    return re.sub(r"\b(\w+)=-?\d[\w.]*", r"\1=…", reason)
+
+
+def rejection_summary(verdicts: list[Verdict], profile: DeviceProfile, top: int = 4) -> str:
+    """Why configs failed the cheap checks, by kind: how many the SMEM estimate puts over ``profile``'s
+    limit and by how much (min / max excess, bytes), how many broke which rule (grouped by rule text, the
+    ``top`` most frequent named) and how many the target refused (likewise). Feasible verdicts are ignored."""
+    def grouped(stage: str, label: str) -> str | None:
+        counts = Counter(_reason_group(v.reason) for v in verdicts if not v.feasible and v.stage == stage)
+        if not counts:
+            return None
+        named = [f"{n} '{text}'" for text, n in counts.most_common(top)]
+        rest = len(counts) - top
+        return (f"{sum(counts.values())} {label} (" + ", ".join(named)
+                + (f", and {rest} other reason{'s' * (rest > 1)}" if rest > 0 else "") + ")")
+
+    parts = []
+    over = [v.smem_estimate - v.smem_limit for v in verdicts
+            if not v.feasible and v.stage == "estimate" and v.smem_estimate is not None and v.smem_limit is not None]
+    if over:
+        by = f"{min(over):,} B" if min(over) == max(over) else f"{min(over):,} to {max(over):,} B"
+        parts.append(f"{len(over)} over the {profile.name} limit of {profile.smem_optin_bytes:,} B by estimate (by {by})")
+    parts += [p for p in (grouped("rules", "broke rules"), grouped("target", "refused by target")) if p]
+    known = {"estimate", "rules", "target"}
+    other = Counter(v.stage or "?" for v in verdicts if not v.feasible and v.stage not in known)
+    parts += [f"{n} rejected at stage {stage}" for stage, n in sorted(other.items())]
+    return f"{len(verdicts):,} configs checked: " + "; ".join(parts) if parts else f"{len(verdicts):,} configs checked"

@@ -4,7 +4,11 @@ A lane module defines (see kernels/triton/gemm.py for a full example):
 
   DSL, KERNEL          names
   TUNABLES, DEFAULTS   tunable config keys and their default values
-  BASELINE             optional; True for the reference library lane (torch / cuBLAS)
+  BASELINE             optional; True for the lane the others are compared with (torch)
+  BASELINE_KIND        optional, for a BASELINE lane: "library" (default: a library a user would
+                       pick, e.g. cuBLAS; the report's ratios are against it) or "reference" (a slow
+                       reference such as eager fp32 math; the report compares with the fastest lane
+                       at each shape instead and names it)
   config_reason(config, shape) -> str | None       arithmetic rules (no compile)
   eligibility(target) -> str | None                 does the lane have a path for this target
   target_reason(config, target) -> str | None       config rules that depend on the target
@@ -28,6 +32,7 @@ from types import ModuleType
 
 from lab.devices import LabError
 
+BASELINE_KINDS = ("library", "reference")
 REQUIRED = ("DSL", "KERNEL", "TUNABLES", "DEFAULTS", "config_reason", "eligibility",
             "target_reason", "smem_estimate", "compile_for", "build", "versions")
 
@@ -80,6 +85,14 @@ class Lane:
     def is_baseline(self) -> bool:
         return bool(getattr(self.module, "BASELINE", False))
 
+    @property
+    def baseline_kind(self) -> str:
+        """``library`` or ``reference`` (see BASELINE_KIND above)."""
+        kind = getattr(self.module, "BASELINE_KIND", "library")
+        if kind not in BASELINE_KINDS:
+            raise LabError(f"{self.module_name}.BASELINE_KIND is {kind!r} (known: {', '.join(BASELINE_KINDS)})")
+        return kind
+
     def eligibility(self, target: str) -> Eligibility:
         try:
             mod = self.module
@@ -128,6 +141,17 @@ def get(dsl: str, kernel: str) -> Lane:
             raise LabError(f"DSL {dsl!r} has no {kernel!r} kernel (no kernels/{dsl}/{kernel}.py)")
         _LANES[key] = Lane(dsl, kernel, name)
     return _LANES[key]
+
+
+def baseline_kind(dsl: str, kernel: str) -> str:
+    """The lane's BASELINE_KIND; ``library`` (the default) for a lane that cannot be found or imported
+    (an unknown value still raises)."""
+    try:
+        lane = get(dsl, kernel)
+        lane.module
+    except LabError:
+        return "library"
+    return lane.baseline_kind
 
 
 def lanes_for(kernel: str) -> list[Lane]:

@@ -1,9 +1,12 @@
 """Markdown summary and PNG plots from result tables (``python -m lab report results/``).
 
-Per (requested device, emulated, kernel, shape): the best ok config per DSL with its median time,
-IQR, TFLOP/s, % of the running device's peak, SMEM, and the ratio to the baseline lane (cuBLAS
-for GEMM). Where A/B confirm rows exist, ratios come from them (same process, alternating).
-Verdicts FASTER / SLOWER / SAME compare interquartile ranges: SAME when they overlap.
+Per (requested device, emulated, kernel, shape): the best config per DSL with its median time (ms),
+IQR, TFLOP/s, % of the running device's peak, SMEM (bytes), and the ratio to a reference lane: the
+baseline lane when it is a library a user would pick (cuBLAS for GEMM), else (the lane declares
+``BASELINE_KIND = "reference"``, see lab/registry.py, or there is no baseline) the fastest lane at
+that shape, named in the table. Each DSL's headline is its best A/B-confirmed config (lowest confirm
+median over all runs). Verdicts FASTER / SLOWER / SAME compare interquartile ranges: SAME when they
+overlap. Rows of ``--compile-only`` runs (no timings) get their own section: what compiled, what fits.
 """
 from __future__ import annotations
 
@@ -14,6 +17,15 @@ import pandas as pd
 
 from lab.results import load
 
+GROUP = ["requested_profile", "emulated", "kernel", "shape"]
+KEYS = GROUP + ["dsl"]
+CONFIRM_COLS = {"time_ms": "confirm_ms", "time_q1_ms": "confirm_q1_ms", "time_q3_ms": "confirm_q3_ms",
+                "time_ci_half_ms": "confirm_ci_half_ms", "samples": "confirm_n", "run_id": "confirm_run"}
+HEAD_COLS = ["head_ms", "head_q1_ms", "head_q3_ms", "head_ci_half_ms", "head_n", "timing_source", "head_tflops",
+             "head_gbs", "head_pct_peak_tflops", "ratio_to_baseline", "vs_baseline", "ratio_ref", "ratio_kind",
+             "is_reference"]
+NOT_RUN_PHASES = ("eligibility", "space")  # a lane that ran nothing at a shape: one row with the reason
+
 
 def _verdict(a_q1, a_q3, b_q1, b_q3) -> str:
     if a_q3 < b_q1:
@@ -23,81 +35,125 @@ def _verdict(a_q1, a_q3, b_q1, b_q3) -> str:
     return "SAME"
 
 
-def best_per_dsl(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per (device, emulated, kernel, shape, dsl): the config to show and its timings.
+def compile_only_mask(df: pd.DataFrame) -> pd.Series:
+    """Rows of ``--compile-only`` runs (no timings)."""
+    return df["compile_only"].eq(True)
 
-    Where runs re-timed their best configs A/B (phase=confirm), the newest such run decides: its
-    confirmed config per DSL, with the interleaved timings (confirm_*), so that every lane of the
-    table was timed side by side in one run. A DSL without a confirm row in that run shows its best
-    sweep trial. ``sweep_best_ms`` is the lowest sweep median of the DSL over all runs."""
-    group = ["requested_profile", "emulated", "kernel", "shape"]
-    keys = group + ["dsl"]
-    ok = df[(df["status"] == "ok") & (df["phase"] == "sweep")]
-    if ok.empty:
-        return ok
-    best = ok.loc[ok.groupby(keys)["time_ms"].idxmin()].copy()
-    best["sweep_best_ms"] = best["time_ms"]
-    conf = df[(df["phase"] == "confirm") & (df["status"] == "ok")]
-    cols = {"time_ms": "confirm_ms", "time_q1_ms": "confirm_q1_ms", "time_q3_ms": "confirm_q3_ms",
-            "samples": "confirm_n", "run_id": "confirm_run"}
-    out = []
-    for gkey, g in best.groupby(group):
-        c = conf[(conf[group] == pd.Series(gkey, index=group)).all(axis=1)] if not conf.empty else conf
-        if c.empty:
-            out.append(g.assign(**{v: float("nan") for v in cols.values()}))
-            continue
-        newest = c.loc[c["time_utc"].idxmax(), "run_id"]
-        c = c[c["run_id"] == newest]
-        rows = []
-        for _, r in g.iterrows():
-            cr = c[c["dsl"] == r["dsl"]]
-            if cr.empty:
-                rows.append(r.to_dict() | {v: float("nan") for v in cols.values()})
-                continue
-            cr = cr.iloc[-1]
-            same = ok[(ok[keys] == pd.Series(tuple(gkey) + (r["dsl"],), index=keys)).all(axis=1)
-                      & (ok["config_json"] == cr["config_json"])].sort_values("time_utc")
-            base = same.iloc[-1].to_dict() if not same.empty else r.to_dict()
-            base["sweep_best_ms"] = r["sweep_best_ms"]
-            rows.append(base | {v: cr[k] for k, v in cols.items()})
-        out.append(pd.DataFrame(rows))
-    return pd.concat(out, ignore_index=True)
+
+def best_per_dsl(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per (device, emulated, kernel, shape, dsl) of the timed runs: the config to show.
+
+    Where every DSL at that shape and device has A/B confirm rows (phase=confirm, ok), each shows its
+    best confirmed config (lowest confirm median, any run) with those timings (confirm_*, ms); the other
+    columns (SMEM, registers, parity) come from the newest ok sweep row of that config. Otherwise the
+    table is timed from the sweep and each DSL shows its best sweep trial (confirm_* NaN): a confirmed
+    config can be older code than a faster unconfirmed trial. ``sweep_best_ms`` is the lowest sweep
+    median of the DSL over all runs."""
+    timed = df[~compile_only_mask(df)]
+    ok = timed[(timed["status"] == "ok") & timed["time_ms"].notna()]
+    sweep = ok[ok["phase"] == "sweep"]
+    if sweep.empty:
+        return sweep.assign(sweep_best_ms=pd.Series(dtype=float), **{v: pd.Series(dtype=float)
+                                                                      for v in CONFIRM_COLS.values()})
+    best = sweep.loc[sweep.groupby(KEYS)["time_ms"].idxmin()]
+    conf = ok[ok["phase"] == "confirm"]
+    top = {tuple(r[KEYS]): r for _, r in conf.loc[conf.groupby(KEYS)["time_ms"].idxmin()].iterrows()} \
+        if not conf.empty else {}
+    all_confirmed = {g: all(tuple(k) in top for k in gb[KEYS].itertuples(index=False))
+                     for g, gb in best.groupby(GROUP)}
+    rows = []
+    for _, r in best.iterrows():
+        key = tuple(r[KEYS])
+        row = r.to_dict() | {v: float("nan") for v in CONFIRM_COLS.values()}
+        c = top.get(key) if all_confirmed[key[:len(GROUP)]] else None
+        if c is not None:
+            same = sweep[(sweep[KEYS] == pd.Series(key, index=KEYS)).all(axis=1)
+                         & (sweep["config_json"] == c["config_json"])].sort_values("time_utc")
+            row = (same.iloc[-1] if not same.empty else c).to_dict()
+            row |= {v: c[k] for k, v in CONFIRM_COLS.items()}
+        rows.append(row | {"sweep_best_ms": r["time_ms"]})
+    return pd.DataFrame(rows)
+
+
+def _reference_lane(g: pd.DataFrame) -> tuple[pd.Series, str]:
+    """(row, kind): the library baseline ("baseline"), else the fastest lane of ``g`` ("fastest")."""
+    from lab import registry
+    base = g[g["baseline"] == True]  # noqa: E712 (pandas)
+    if not base.empty and registry.baseline_kind(base["dsl"].iloc[0], base["kernel"].iloc[0]) == "library":
+        return base.iloc[0], "baseline"
+    return g.loc[g["head_ms"].idxmin()], "fastest"
 
 
 def with_ratios(best: pd.DataFrame) -> pd.DataFrame:
-    """Adds the headline timing (A/B confirm when every lane of the shape has one, else the sweep),
-    the rates at that timing, ratio_to_baseline (baseline time / lane time: >1 is faster than the
-    baseline) and the FASTER / SLOWER / SAME verdict."""
+    """Adds the headline timing (A/B confirm when every lane of the shape has one, else the sweep; ms),
+    the rates at that timing, ``ratio_to_baseline`` (reference time / lane time: > 1 is faster than the
+    reference), the FASTER / SLOWER / SAME verdict ``vs_baseline``, and which lane is the reference:
+    ``ratio_ref`` (its DSL) and ``ratio_kind`` ("baseline": a library baseline; "fastest": the fastest
+    lane, where the baseline lane is a slow reference or absent). ``is_reference`` marks such a lane."""
+    from lab import registry
+    if best.empty:
+        return best.assign(**{c: pd.Series(dtype=object) for c in HEAD_COLS})
     out = []
-    for _, g in best.groupby(["requested_profile", "emulated", "kernel", "shape"]):
+    for _, g in best.groupby(GROUP):
         g = g.copy()
         use_confirm = g["confirm_ms"].notna().all()
-        src = ("confirm_ms", "confirm_q1_ms", "confirm_q3_ms", "confirm_n") if use_confirm else \
-              ("time_ms", "time_q1_ms", "time_q3_ms", "samples")
-        g["head_ms"], g["head_q1_ms"], g["head_q3_ms"], g["head_n"] = (g[c] for c in src)
+        src = ("confirm_ms", "confirm_q1_ms", "confirm_q3_ms", "confirm_ci_half_ms", "confirm_n") if use_confirm \
+            else ("time_ms", "time_q1_ms", "time_q3_ms", "time_ci_half_ms", "samples")
+        g["head_ms"], g["head_q1_ms"], g["head_q3_ms"], g["head_ci_half_ms"], g["head_n"] = (g[c] for c in src)
         g["timing_source"] = "A/B confirm" if use_confirm else "sweep"
         scale = g["time_ms"] / g["head_ms"]  # rates scale inversely with time
         for c in ("tflops", "gbs", "pct_peak_tflops"):
             g[f"head_{c}"] = g[c] * scale
-        base = g[g["baseline"] == True]  # noqa: E712 (pandas)
-        if base.empty:
-            g["ratio_to_baseline"], g["vs_baseline"] = float("nan"), ""
-        else:
-            b = base.iloc[0]
-            g["ratio_to_baseline"] = b["head_ms"] / g["head_ms"]
-            g["vs_baseline"] = [_verdict(r["head_q1_ms"], r["head_q3_ms"], b["head_q1_ms"], b["head_q3_ms"])
-                                if not r["baseline"] else "baseline" for _, r in g.iterrows()]
+        ref, kind = _reference_lane(g)
+        g["ratio_ref"], g["ratio_kind"] = ref["dsl"], kind
+        g["ratio_to_baseline"] = ref["head_ms"] / g["head_ms"]
+        g["vs_baseline"] = [kind if r["dsl"] == ref["dsl"] else
+                            _verdict(r["head_q1_ms"], r["head_q3_ms"], ref["head_q1_ms"], ref["head_q3_ms"])
+                            for _, r in g.iterrows()]
+        g["is_reference"] = [bool(r["baseline"] == True) and registry.baseline_kind(r["dsl"], r["kernel"]) == "reference"  # noqa: E712
+                             for _, r in g.iterrows()]
         out.append(g)
-    return pd.concat(out) if out else best
+    return pd.concat(out, ignore_index=True)
+
+
+def compile_summary(df: pd.DataFrame) -> pd.DataFrame:
+    """Per (requested device, kernel, shape, dsl) of ``--compile-only`` runs: configs proposed, rejected
+    before compiling (rules, target, estimate), compiled for the target, how many fit the device's limit
+    (``smem_limit`` bytes) as compiled, the smallest compiled shared memory (bytes), compile errors (with
+    the first one) and a note (a lane that ran nothing, or has nothing to compile ahead)."""
+    cols = ["requested_profile", "kernel", "shape", "dsl", "target", "smem_limit", "proposed",
+            "rejected_before_compile", "compiled", "fit", "min_compiled_smem", "compile_errors", "first_error", "note"]
+    co = df[compile_only_mask(df)]
+    rows = []
+    for (dev, kernel, shape, dsl), g in co.groupby(["requested_profile", "kernel", "shape", "dsl"]):
+        sw = g[g["phase"] == "sweep"]
+        nothing = sw["error"].fillna("").str.startswith("compile-only:")
+        notes = list(dict.fromkeys(g.loc[g["phase"].isin(NOT_RUN_PHASES), "error"].tolist()
+                                   + sw.loc[nothing, "error"].tolist()))
+        sw = sw[~nothing]
+        compiled = sw[(sw["status"] == "compiled") | sw["smem_compiled_bytes"].notna()]
+        errors = sw[sw["status"] == "compile_error"]
+        rows.append({"requested_profile": dev, "kernel": kernel, "shape": shape, "dsl": dsl,
+                     "target": g["preflight_target"].iloc[0], "smem_limit": g["smem_limit_bytes"].max(),
+                     "proposed": len(sw), "rejected_before_compile": len(sw) - len(compiled) - len(errors),
+                     "compiled": len(compiled), "fit": int((sw["status"] == "compiled").sum()),
+                     "min_compiled_smem": compiled["smem_compiled_bytes"].min(),
+                     "compile_errors": len(errors), "first_error": errors["error"].iloc[0] if len(errors) else "",
+                     "note": "; ".join(str(n) for n in notes)})
+    return pd.DataFrame(rows, columns=cols)
 
 
 def _fmt(x, spec):
     return "-" if x is None or (isinstance(x, float) and pd.isna(x)) else format(x, spec)
 
 
-def _config_text(cfg_json: str) -> str:
+def _config_text(cfg_json: str, reference: bool = False) -> str:
     cfg = json.loads(cfg_json or "{}")
-    return " ".join(f"{k}={v}" for k, v in cfg.items()) or "(library)"
+    return " ".join(f"{k}={v}" for k, v in cfg.items()) or ("(reference)" if reference else "(library)")
+
+
+def _mode(r) -> str:
+    return "compile-only" if r.co == True else ("emulated" if r.emu == True else "native")  # noqa: E712
 
 
 def markdown(df: pd.DataFrame) -> str:
@@ -106,69 +162,127 @@ def markdown(df: pd.DataFrame) -> str:
         return "\n".join(lines + ["No result rows."])
     runs = df.groupby("run_id").agg(time=("time_utc", "min"), gpu=("actual_gpu", "first"),
                                     req=("requested_profile", "first"), emu=("emulated", "first"),
-                                    commit=("git_commit", "first"), rows=("status", "size"))
-    lines += ["## Runs", "", "| run | started (UTC) | requested | GPU that ran | emulated | commit | rows |",
+                                    co=("compile_only", "first"), commit=("git_commit", "first"),
+                                    rows=("status", "size"))
+    lines += ["## Runs", "", "| run | started (UTC) | requested | GPU that ran | mode | commit | rows |",
               "|---|---|---|---|---|---|---|"]
     for rid, r in runs.iterrows():
-        lines.append(f"| {rid} | {r.time} | {r.req} | {r.gpu} | {bool(r.emu)} | {str(r.commit)[:10]} | {r.rows} |")
+        lines.append(f"| {rid} | {r.time} | {r.req} | {r.gpu} | {_mode(r)} | {str(r.commit)[:10]} | {r.rows} |")
     lines.append("")
-    best = with_ratios(best_per_dsl(df))
-    for (dev, emu, kernel), g in df.groupby(["requested_profile", "emulated", "kernel"]):
-        gpu = ", ".join(sorted(set(g["actual_gpu"])))
-        title = f"## {kernel} on {dev}" + (f" (EMULATED on {gpu})" if emu else f" ({gpu})")
-        lines += [title, ""]
-        if emu:
-            lines += [f"Configs limited to the {dev} envelope (preflight for {g['preflight_target'].iloc[0]}); "
-                      f"timings are from {gpu}, with that GPU's own code generation. The baseline library runs "
-                      f"unconstrained on that GPU.", ""]
-            ok = g[(g["status"] == "ok") & (g["phase"] == "sweep")]
-            over = ok[ok["smem_launched_bytes"] > ok["smem_limit_bytes"]]
-            if not over.empty:
-                lines += [f"Note: {len(over)} of {len(ok)} ok trials launched a binary using more shared memory on "
-                          f"{gpu} than the {dev} limit ({', '.join(sorted(set(over['dsl'])))}): the same config "
-                          f"compiles differently per target, so these timings are not {dev} timings.", ""]
-        counts = g[g["phase"] == "sweep"].groupby(["shape", "dsl", "status"]).size().unstack(fill_value=0)
-        b = best[(best["requested_profile"] == dev) & (best["emulated"] == emu) & (best["kernel"] == kernel)] \
-            if not best.empty else best
-        for shape, gs in g.groupby("shape"):
-            dims = json.loads(gs["shape_json"].iloc[0])
-            bs = b[b["shape"] == shape] if not b.empty else b
-            source = bs["timing_source"].iloc[0] if not bs.empty else "sweep"
-            lines += [f"### {shape} `{' '.join(f'{k}={v}' for k, v in dims.items())}`", "",
-                      f"| DSL | median ms ({source}) | IQR ms | n | sweep best ms | TFLOP/s | % peak | GB/s | vs baseline "
-                      f"| ratio | SMEM B: estimate / compiled ({gs['preflight_target'].iloc[0]}) / launched "
-                      f"({gs['compile_target'].iloc[0]}) | regs | spills | parity rel_l2 (tol) | config |",
-                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-            for _, r in bs.sort_values("head_ms").iterrows():
-                smem = " / ".join(_fmt(r.get(c), ",.0f") for c in ("smem_estimate_bytes", "smem_compiled_bytes", "smem_launched_bytes"))
-                lines.append(
-                    f"| {r['dsl']} | {_fmt(r['head_ms'], '.4f')} | {_fmt(r['head_q3_ms'] - r['head_q1_ms'], '.4f')} | "
-                    f"{_fmt(r['head_n'], '.0f')} | {_fmt(r['sweep_best_ms'], '.4f')} | {_fmt(r['head_tflops'], '.1f')} | "
-                    f"{_fmt(r['head_pct_peak_tflops'], '.1f')} | {_fmt(r['head_gbs'], '.0f')} | "
-                    f"{r.get('vs_baseline', '')} | {_fmt(r.get('ratio_to_baseline'), '.3f')} | {smem} | "
-                    f"{_fmt(r.get('registers'), '.0f')} | {_fmt(r.get('spills'), '.0f')} | "
-                    f"{_fmt(r['parity_rel_l2'], '.2e')} ({_fmt(r['tol_rel_l2'], 'g')}) | {_config_text(r['config_json'])} |")
-            for _, r in gs[gs["phase"] == "eligibility"].drop_duplicates("dsl").iterrows():
-                lines.append(f"| {r['dsl']} | - | - | - | - | - | - | - | - | - | - | - | {r['error']} |")
-            if shape in counts.index:
-                c = counts.loc[shape]
-                lines += ["", "Trials by status: " + "; ".join(
-                    f"{dsl}: " + ", ".join(f"{s} {int(n)}" for s, n in row.items() if n) for dsl, row in c.iterrows())]
-            if not bs.empty:
-                runs = ", ".join(sorted(set(bs["confirm_run"].dropna()))) if source == "A/B confirm" else "sweep rows"
-                lines.append(f"Timing and ratios from: {source} ({runs}; ratio = baseline time / lane time; verdict "
-                             f"by IQR overlap). Sweep best = the DSL's lowest sweep median over all runs.")
-            lines += _worst_parity(gs)
-            drift = gs["clock_drift"].fillna(False).astype(bool).sum()
-            if drift:
-                lines.append(f"WARNING: {drift} rows had SM clock drift > 10% between start and end of timing.")
-            lines.append("")
+    timed = df[~compile_only_mask(df)]
+    best = with_ratios(best_per_dsl(timed))
+    for (dev, emu, kernel), g in timed.groupby(["requested_profile", "emulated", "kernel"]):
+        lines += _device_section(dev, emu, kernel, g, best)
+    lines += _compile_only_section(compile_summary(df))
     return "\n".join(lines) + "\n"
 
 
+def _device_section(dev, emu, kernel, g: pd.DataFrame, best: pd.DataFrame) -> list[str]:
+    gpu = ", ".join(sorted(set(g["actual_gpu"].dropna())))
+    lines = [f"## {kernel} on {dev}" + (f" (EMULATED on {gpu})" if emu else f" ({gpu})"), ""]
+    if emu:
+        lines += [f"Configs limited to the {dev} envelope (preflight for {g['preflight_target'].iloc[0]}); "
+                  f"timings are from {gpu}, with that GPU's own code generation. The baseline library runs "
+                  f"unconstrained on that GPU.", ""]
+        ok = g[(g["status"] == "ok") & (g["phase"] == "sweep")]
+        over = ok[ok["smem_launched_bytes"] > ok["smem_limit_bytes"]]
+        if not over.empty:
+            lines += [f"Note: {len(over)} of {len(ok)} ok trials launched a binary using more shared memory on "
+                      f"{gpu} than the {dev} limit ({', '.join(sorted(set(over['dsl'])))}): the same config "
+                      f"compiles differently per target, so these timings are not {dev} timings.", ""]
+    counts = g[g["phase"] == "sweep"].groupby(["shape", "dsl", "status"]).size().unstack(fill_value=0)
+    b = best[(best["requested_profile"] == dev) & (best["emulated"] == emu) & (best["kernel"] == kernel)]
+    for shape, gs in g.groupby("shape"):
+        lines += _shape_table(shape, gs, b[b["shape"] == shape], counts)
+    return lines
+
+
+def _shape_table(shape, gs: pd.DataFrame, bs: pd.DataFrame, counts: pd.DataFrame) -> list[str]:
+    dims = json.loads(gs["shape_json"].iloc[0])
+    source = bs["timing_source"].iloc[0] if not bs.empty else "sweep"
+    if bs.empty:
+        ref_label = "baseline"
+    else:
+        ref_label = f"{bs['ratio_kind'].iloc[0]} ({bs['ratio_ref'].iloc[0]})"
+    lines = [f"### {shape} `{' '.join(f'{k}={v}' for k, v in dims.items())}`", "",
+             f"| DSL | median ms ({source}) | IQR ms | n | sweep best ms | TFLOP/s | % peak | GB/s | vs {ref_label} "
+             f"| ratio | SMEM B: estimate / compiled ({gs['preflight_target'].iloc[0]}) / launched "
+             f"({gs['compile_target'].iloc[0]}) | regs | spills | parity rel_l2 (tol) | config |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for _, r in bs.sort_values("head_ms").iterrows():
+        smem = " / ".join(_fmt(r.get(c), ",.0f") for c in ("smem_estimate_bytes", "smem_compiled_bytes", "smem_launched_bytes"))
+        name = r["dsl"] + (" (reference)" if r["is_reference"] else "")
+        lines.append(
+            f"| {name} | {_fmt(r['head_ms'], '.4f')} | {_fmt(r['head_q3_ms'] - r['head_q1_ms'], '.4f')} | "
+            f"{_fmt(r['head_n'], '.0f')} | {_fmt(r['sweep_best_ms'], '.4f')} | {_fmt(r['head_tflops'], '.1f')} | "
+            f"{_fmt(r['head_pct_peak_tflops'], '.1f')} | {_fmt(r['head_gbs'], '.0f')} | "
+            f"{r['vs_baseline']} | {_fmt(r['ratio_to_baseline'], '.3f')} | {smem} | "
+            f"{_fmt(r.get('registers'), '.0f')} | {_fmt(r.get('spills'), '.0f')} | "
+            f"{_fmt(r['parity_rel_l2'], '.2e')} ({_fmt(r['tol_rel_l2'], 'g')}) | {_config_text(r['config_json'], r['is_reference'])} |")
+    # A lane that ran nothing here (not importable, ineligible, no feasible config) is listed only when no
+    # run of it succeeded at this shape and device.
+    ran = set(gs.loc[gs["status"] == "ok", "dsl"]) | set(bs["dsl"])
+    idle = gs[gs["phase"].isin(NOT_RUN_PHASES) & ~gs["dsl"].isin(ran)]
+    for _, r in idle.sort_values("time_utc").drop_duplicates("dsl", keep="last").sort_values("dsl").iterrows():
+        lines.append(f"| {r['dsl']} |" + " - |" * 13 + f" {r['error']} |")
+    if shape in counts.index:
+        c = counts.loc[shape]
+        lines += ["", "Trials by status: " + "; ".join(
+            f"{dsl}: " + ", ".join(f"{s} {int(n)}" for s, n in row.items() if n) for dsl, row in c.iterrows())]
+    if not bs.empty:
+        lines.append(_timing_note(bs, source))
+    lines += _worst_parity(gs[gs["status"] == "ok"])
+    drift = gs["clock_drift"].fillna(False).astype(bool).sum()
+    if drift:
+        lines.append(f"WARNING: {drift} rows had SM clock drift > 10% between start and end of timing.")
+    lines.append("")
+    return lines
+
+
+def _timing_note(bs: pd.DataFrame, source: str) -> str:
+    kind, ref = bs["ratio_kind"].iloc[0], bs["ratio_ref"].iloc[0]
+    if kind == "baseline":
+        what = f"ratio = baseline ({ref}) time / lane time"
+    else:
+        refs = bs[bs["is_reference"]]["dsl"].tolist()
+        why = (f"the {', '.join(refs)} lane is a slow reference, not a library baseline" if refs
+               else "no library baseline in this table")
+        what = f"ratio = fastest lane ({ref}) time / lane time; {why}"
+    if source == "A/B confirm":
+        runs = sorted(set(bs["confirm_run"].dropna()))
+        where = (f"each DSL's best A/B-confirmed config ({', '.join(runs)}"
+                 + ("; lanes from different confirm runs were not interleaved with each other" if len(runs) > 1 else "")
+                 + ")")
+    else:
+        where = "sweep rows (not every lane has an A/B confirm here: each DSL's best sweep trial)"
+    return (f"Timing and ratios from: {where}; {what}; verdict by IQR overlap. "
+            f"Sweep best = the DSL's lowest sweep median over all runs.")
+
+
+def _compile_only_section(summary: pd.DataFrame) -> list[str]:
+    if summary.empty:
+        return []
+    lines = ["## Compile-only runs", "",
+             "Preflight and ahead-of-time compiles for the requested device's target, nothing timed. Fit = compiled "
+             "and within the device's shared-memory limit (the lane's figure for the target).", ""]
+    for (dev, kernel), g in summary.groupby(["requested_profile", "kernel"]):
+        targets = ", ".join(sorted(set(g["target"].dropna())))
+        limit = _fmt(g["smem_limit"].max(), ",.0f")
+        lines += [f"### {kernel} for {dev} ({targets}, limit {limit} B)", "",
+                  "| shape | DSL | configs proposed | rejected before compile | compiled | fit the limit "
+                  "| smallest compiled SMEM B | compile errors | note |", "|---|---|---|---|---|---|---|---|---|"]
+        for _, r in g.iterrows():
+            err = f"{r['compile_errors']}" + (f" (first: {r['first_error'][:160]})" if r["compile_errors"] else "")
+            lines.append(f"| {r['shape']} | {r['dsl']} | {r['proposed']} | {r['rejected_before_compile']} | "
+                         f"{r['compiled']} | {r['fit']} | {_fmt(r['min_compiled_smem'], ',.0f')} | {err} | "
+                         f"{r['note'] or ''} |")
+        lines.append("")
+    return lines
+
+
 def _worst_parity(gs: pd.DataFrame) -> list[str]:
-    """For kernels with several outputs: the worst relative errors per output over every parity-checked
-    trial of each DSL at this shape (rel_l2 / rel_max, from each row's parity_json)."""
+    """For kernels with several outputs: the worst relative errors per output over the ok trials of each
+    DSL at this shape (rel_l2 / rel_max, from each row's parity_json). Failed trials are left out."""
     worst: dict[str, dict[str, list[float]]] = {}
     for _, r in gs[gs["parity_json"].notna()].iterrows():
         try:
@@ -183,7 +297,7 @@ def _worst_parity(gs: pd.DataFrame) -> list[str]:
     if not worst:
         return []
     outs = list(next(iter(worst.values())))
-    lines = ["", "Worst relative error per output over the parity-checked trials at this shape (rel_l2 / rel_max; n trials):", "",
+    lines = ["", "Worst relative error per output over the ok trials at this shape (rel_l2 / rel_max; n trials):", "",
              "| DSL | n | " + " | ".join(outs) + " |", "|---|---|" + "---|" * len(outs)]
     for dsl, per in sorted(worst.items()):
         n = max(v[2] for v in per.values())
@@ -205,8 +319,9 @@ def plots(df: pd.DataFrame, out: Path) -> list[Path]:
         tag = f"{kernel}_{dev}" + ("_emulated" if emu else "")
         shapes = list(dict.fromkeys(g["shape"]))
         dsls = sorted(set(g["dsl"]))
+        vs = "baseline (>1 faster)" if set(g["ratio_kind"]) == {"baseline"} else "fastest lane (1 = fastest)"
         for metric, ylabel, name in (("head_tflops", "TFLOP/s (best config)", "tflops"),
-                                     ("ratio_to_baseline", "speed vs baseline (>1 faster)", "ratio")):
+                                     ("ratio_to_baseline", f"speed vs {vs}", "ratio")):
             if g[metric].isna().all():
                 continue
             fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(shapes) * max(1, len(dsls)) / 2), 4))

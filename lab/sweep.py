@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lab import preflight, problems, registry, space as space_mod
+from lab import identity, preflight, problems, registry, space as space_mod
 from lab.devices import DeviceProfile, LabError, PresentGPU, PROFILES, get_profile
 from lab.results import RunWriter, git_state, new_run_id, now_utc
 from lab.worker import WorkerRunner
@@ -89,6 +89,7 @@ class SweepRequest:
     progress: bool = True
     timing: dict = field(default_factory=dict)  # overrides for lab.timing.bench
     confirm_timing: dict = field(default_factory=dict)  # overrides for the A/B confirm
+    seeds: dict = field(default_factory=dict)  # {(dsl, shape name): [config, ...]} tried first, before the sweep file's
 
 
 def _sampler(name: str, seed: int):
@@ -107,12 +108,13 @@ def _sampler(name: str, seed: int):
 
 def _versions(lane: registry.Lane) -> dict:
     """Everything that produced the binary and the measurement: part of the study key, so that a
-    result from another toolchain, lane source or harness version is never reused silently."""
+    result from another toolchain, lane code (``lab.identity``) or harness version is never reused
+    silently."""
     import lab
     v = dict(lane.module.versions())
     v["python"] = platform.python_version()
     v["lab"] = lab.__version__
-    v["lane_sha"] = hashlib.sha1(Path(lane.module.__file__).read_bytes()).hexdigest()[:12]
+    v.update(identity.lane_identity(lane.module_name))
     try:
         import optuna
         v["optuna"] = optuna.__version__
@@ -309,6 +311,8 @@ class Sweep:
         if req.sampler == "grid" and space.size > GRID_LIMIT:
             raise LabError(f"--sampler grid over {space.size:,} configs of {space.source} (at most {GRID_LIMIT:,}): "
                            f"use tpe or random")
+        for seed_cfg in req.seeds.get((lane.dsl, shape_name), []):  # e.g. the gate's previous best configs
+            study.enqueue_trial(lane.full_config(seed_cfg), skip_if_exists=True)
         if not study.get_trials(deepcopy=False):
             for seed_cfg in space.seeds:  # known-good starting points from the sweep file
                 study.enqueue_trial(seed_cfg, skip_if_exists=True)
@@ -326,18 +330,22 @@ class Sweep:
         # A sampled space only needs to know whether any config passes (the seeds come first, so that
         # is usually the first check): estimating thousands of samples costs minutes for lanes whose
         # estimate builds the kernel's program.
-        passes = (preflight.cheap_checks(lane, space, lane.full_config(c), shape, self.mode.requested).feasible
-                  for c in scanned)
+        verdicts: list[preflight.Verdict] = []  # every config checked (all of them when none passes)
+
+        def passes_one(c) -> bool:
+            verdicts.append(preflight.cheap_checks(lane, space, lane.full_config(c), shape, self.mode.requested))
+            return verdicts[-1].feasible
+        passes = map(passes_one, scanned)
         feasible_total = sum(passes) if exhaustive else (math.inf if any(passes) else 0)
         if feasible_total == 0 and req.sampler != "grid":
-            # A lane that refuses the whole shape still leaves a row with its reason (fail closed, recorded),
-            # not an empty study: the reason given for the space's first config (its first seed, if any).
-            cfg = lane.full_config(scanned[0])
-            why = preflight.cheap_checks(lane, space, cfg, shape, self.mode.requested)
+            # A lane that refuses the whole shape still leaves a row with its reasons, summarised by kind (fail
+            # closed, recorded), not an empty study; the row carries the space's first config (its first seed).
+            cfg, why = lane.full_config(scanned[0]), verdicts[0]
             checked = "" if exhaustive else (f" (checked: the seeds and a random sample of {len(scanned):,} of its "
                                              f"{space.size:,} configs)")
             verdict = preflight.Verdict(False, f"no config of the sweep space passes the preflight at this shape"
-                                               f"{checked}; the first: {why.reason}", why.stage)
+                                               f"{checked}; {preflight.rejection_summary(verdicts, self.mode.requested)}",
+                                        why.stage, smem_estimate=why.smem_estimate, smem_limit=why.smem_limit)
             self._refuse(lane, shape_name, shape, cfg, verdict, phase="space", versions=versions, study=study_name)
             return None
         target = req.trials if req.sampler == "grid" else min(req.trials, feasible_total)
@@ -455,7 +463,7 @@ class Sweep:
     def _confirm(self, shape_name, shape, best: dict):
         """Re-time each lane's best config interleaved (A B A B ...) in one worker; rows phase=confirm."""
         import statistics
-        from lab.timing import median_ci, quartiles
+        from lab.timing import sample_summary
         entries = list(best.values())
         timing = {**self.req.timing, "budget_ms": 6000.0, "min_time_ms": 500.0, "min_samples": 50}
         task = {"kind": "abab", "kernel": self.req.kernel, "shape": shape, "seed": self.req.seed + 7,
@@ -467,14 +475,10 @@ class Sweep:
             self.out(f"confirm {shape_name}: {result.get('status')}: {result.get('error', '')[:200]}")
             return
         for (lane, cfg, versions, study), samples in zip(entries, result["samples"]):
-            med, lo, hi = median_ci(samples)
-            q1, q3 = quartiles(samples)
-            res = {"time_ms": med, "time_q1_ms": q1, "time_q3_ms": q3, "time_iqr_ms": q3 - q1,
-                   "time_ci_half_ms": (hi - lo) / 2, "samples": len(samples), "samples_ms": samples,
-                   "timing_stop": f"abab-{result.get('stop', '')}"}
+            res = sample_summary(samples, f"abab-{result.get('stop', '')}")
             self.writer.add(self._row(lane, shape_name, shape, cfg, -1, "ok", None, res, versions=versions,
                                       phase="confirm", study=study))
-            self.out(f"confirm  {shape_name}: {lane.dsl:8s} {med:.4f} ms (IQR {q3 - q1:.4f}, n={len(samples)}, "
+            self.out(f"confirm  {shape_name}: {lane.dsl:8s} {res['time_ms']:.4f} ms (IQR {res['time_iqr_ms']:.4f}, n={len(samples)}, "
                      f"{statistics.mean(samples):.4f} mean)")
 
 

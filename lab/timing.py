@@ -58,6 +58,14 @@ def quartiles(samples: list[float]) -> tuple[float, float]:
     return q[0], q[2]
 
 
+def sample_summary(samples: list[float], stop: str) -> dict:
+    """Row fields (ms) of a list of samples timed elsewhere, e.g. one lane of an A/B run."""
+    med, lo, hi = median_ci(samples)
+    q1, q3 = quartiles(samples)
+    return {"time_ms": med, "time_q1_ms": q1, "time_q3_ms": q3, "time_iqr_ms": q3 - q1,
+            "time_ci_half_ms": (hi - lo) / 2, "samples": len(samples), "samples_ms": samples, "timing_stop": stop}
+
+
 def gpu_clocks() -> dict:
     """Current SM and memory clocks in MHz via nvidia-smi (empty when unavailable)."""
     try:

@@ -300,3 +300,78 @@ def test_committed_export_matches_the_committed_results(tmp_path):
         return doc
     for p in written:
         assert strip(json.loads(p.read_text())) == strip(json.loads((committed / p.name).read_text())), p.name
+
+
+# -- gate --run, with the simulated lane and a stand-in for the GPU worker ------------------------
+
+SIM_BEST = {"MODE": "ok", "SMEM_KB": 16, "SPEED": 1, "ESTIMATE_BIAS_KB": 0}
+
+
+class ABRunner:
+    """Sweep trials as the sim lane's MODE says (tests.test_sweep_engine.SimRunner); A/B runs import
+    every lane they are given (as the worker does) and return samples scaled by ``slowdown`` for the
+    checkout's lane."""
+
+    def __init__(self, slowdown: float):
+        from tests.test_sweep_engine import SimRunner
+        self.sim, self.slowdown, self.ab_lanes = SimRunner(), slowdown, []
+
+    def run(self, task, timeout_s):
+        if task.get("kind") != "abab":
+            return self.sim.run(task, timeout_s)
+        self.ab_lanes.append([dsl for dsl, _, _ in task["lanes"]])
+        for dsl, _, _ in task["lanes"]:
+            assert registry.get(dsl, task["kernel"]).module.KERNEL == "gemm"
+        base = [1.0 + 0.001 * (i % 7) for i in range(60)]
+        return {"status": "ok", "samples": [base, [x * self.slowdown for x in base]], "stop": "test"}
+
+    def close(self):
+        pass
+
+
+def _committed_sim_row(lab_env, config, lane_files):
+    """A previous ok row of the sim lane at the checkout's commit, with the identity given."""
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=identity.ROOT, capture_output=True, text=True).stdout.strip()
+    row = _row("toy", commit=head, shape="tiny", config=config)
+    row.update(dsl="sim", run_id="previous", versions_json=json.dumps(
+        {"lab": lab.__version__, "lane_code": "x", "lane_files": lane_files}),
+        shape_json=json.dumps({"M": 24, "N": 16, "K": 40, "dtype": "float32"}), dtype="float32")
+    w = results.RunWriter(lab_env.results / "h100" / "gemm", "previous")
+    w.add(row)
+    return results.load(lab_env.results)
+
+
+@pytest.mark.parametrize("slowdown,word,status", [(1.3, "SLOWER", 1), (1.0, "SAME", 0), (0.7, "FASTER", 0)])
+def test_gate_run_ab_against_the_previous_code(lab_env, slowdown, word, status):
+    from lab import gate_run
+    from tests.test_sweep_engine import present_h100
+    registry._LANES.clear()
+    files = dict(identity.lane_identity("tests.fake_lanes.sim.gemm")["lane_files"])
+    files["tests/fake_lanes/sim/gemm.py"] = "edited-since"  # the row ran other code: stale, A/B needs a copy
+    df = _committed_sim_row(lab_env, SIM_BEST, files)
+    lines, runner = [], ABRunner(slowdown)
+    rc = gate_run.refresh(df, present_h100(), kernels=["gemm"], dsls=["sim"], trials=3, results_dir=lab_env.results,
+                          runner=runner, out=lines.append)
+    text = "\n".join(lines)
+    assert rc == status, text
+    assert f": {word}" in text and "gemm sim h100 tiny: previous" in text
+    prev_dsl = runner.ab_lanes[0][0]
+    assert prev_dsl.startswith("sim_at_") and runner.ab_lanes[0][1] == "sim"
+    after = results.load(lab_env.results)
+    gate_rows = after[after["phase"].isin(["gate_previous", "gate_checkout"])]
+    assert sorted(gate_rows["phase"]) == ["gate_checkout", "gate_previous"] and (gate_rows["dsl"] == "sim").all()
+    # The refreshed entry is fresh now: the previous code's A/B row does not count as a measurement.
+    assert {e.status for e in gate.evaluate(after, devices=["h100"], kernels=["gemm"], dsls=["sim"])} == {"fresh"}
+
+
+def test_gate_run_reports_a_previous_best_that_now_computes_garbage(lab_env):
+    from lab import gate_run
+    from tests.test_sweep_engine import present_h100
+    registry._LANES.clear()
+    wrong = {**SIM_BEST, "MODE": "wrong"}
+    df = _committed_sim_row(lab_env, wrong, {"tests/fake_lanes/sim/gemm.py": "old"})
+    lines = []
+    rc = gate_run.refresh(df, present_h100(), kernels=["gemm"], dsls=["sim"], trials=3, results_dir=lab_env.results,
+                          runner=ABRunner(1.0), out=lines.append)
+    text = "\n".join(lines)
+    assert rc == 1 and "PARITY FAIL gemm sim h100 tiny (the previous best)" in text, text

@@ -72,3 +72,135 @@ def test_report_marks_emulated(tmp_path):
     md = write(tmp_path).read_text()
     assert "EMULATED on NVIDIA H100 80GB HBM3" in md
     assert "1 of 1 ok trials launched a binary using more shared memory" in md
+
+
+def _write(tmp_path, rows, run="run", device="h100", kernel="gemm"):
+    from lab.results import RunWriter
+    w = RunWriter(tmp_path / device / kernel, run)
+    for r in rows:
+        w.add(_row(run_id=run, kernel=kernel, **r))
+    return w.path
+
+
+def _m2(**kw):
+    """A row of m2rnn_fwd, whose torch lane declares itself a slow reference (BASELINE_KIND)."""
+    return {"shape_json": json.dumps({"B": 1, "dtype": "bfloat16"}), **kw}
+
+
+def test_lane_declares_reference_baseline():
+    from lab import registry
+    assert registry.get("torch", "gemm").baseline_kind == "library"  # cuBLAS: a real baseline
+    for kernel in ("m2rnn_fwd", "m2rnn_bwd", "mamba_bwd_bwd"):
+        assert registry.get("torch", kernel).baseline_kind == "reference"
+    assert registry.baseline_kind("no_such_dsl", "gemm") == "library"
+
+
+def test_report_compares_with_fastest_lane_when_baseline_is_a_reference(tmp_path):
+    from lab.report import best_per_dsl, with_ratios, write
+    q = lambda t: {"time_ms": t, "time_q1_ms": t * 0.99, "time_q3_ms": t * 1.01}  # noqa: E731
+    _write(tmp_path, [_m2(dsl="torch", baseline=True, config_json="{}", **q(100.0)),
+                      _m2(dsl="triton", **q(1.0)), _m2(dsl="cute", config_json='{"CHUNK": 16}', **q(0.8))],
+           kernel="m2rnn_fwd")
+    from lab.results import load
+    best = with_ratios(best_per_dsl(load(tmp_path))).set_index("dsl")
+    assert set(best["ratio_kind"]) == {"fastest"} and set(best["ratio_ref"]) == {"cute"}
+    assert best.loc["cute", "vs_baseline"] == "fastest" and best.loc["cute", "ratio_to_baseline"] == 1.0
+    assert best.loc["triton", "ratio_to_baseline"] == pytest.approx(0.8) and best.loc["triton", "vs_baseline"] == "SLOWER"
+    assert best.loc["torch", "is_reference"] and best.loc["torch", "vs_baseline"] == "SLOWER"
+    md = write(tmp_path).read_text()
+    assert "vs fastest (cute)" in md and "FASTER" not in md and "vs baseline" not in md
+    assert "| torch (reference) |" in md and "the torch lane is a slow reference" in md
+
+
+def test_report_lists_an_unavailable_lane_only_where_it_never_ran(tmp_path):
+    from lab.report import write
+    gone = "unavailable: ModuleNotFoundError: No module named 'cutlass'"
+    never = "unavailable: ModuleNotFoundError: No module named 'tilelang'"
+    idle = dict(status="infeasible", phase="eligibility", time_ms=None, config_json="{}")
+    _write(tmp_path, [_m2(dsl="torch", baseline=True, config_json="{}", time_ms=50.0, shape=s) for s in ("s1", "s2")]
+           + [_m2(dsl="cute", error=gone, shape=s, **idle) for s in ("s1", "s2")]
+           + [_m2(dsl="tilelang", error=never, shape="s1", **idle)], run="old", kernel="m2rnn_fwd")
+    _write(tmp_path, [_m2(dsl="cute", time_ms=1.0, shape="s1")], run="new", kernel="m2rnn_fwd")
+    md = write(tmp_path).read_text()
+    s1, s2 = md.split("### s1")[1].split("### s2")
+    assert gone not in s1 and "| cute | 1.0000 |" in s1 and never in s1  # cute ran at s1 in another run
+    assert gone in s2  # no run of cute succeeded at s2
+    assert s1.count("| cute |") == 1
+
+
+def test_report_headline_is_the_best_confirmed_config_and_parity_skips_failures(tmp_path):
+    from lab.report import best_per_dsl, with_ratios, write
+    from lab.results import load
+    a, b = '{"BLOCK_M": 64}', '{"BLOCK_M": 128}'
+    conf = dict(phase="confirm", trial=-1)
+    t = lambda ms: {"time_ms": ms, "time_q1_ms": ms * 0.995, "time_q3_ms": ms * 1.005}  # noqa: E731
+    _write(tmp_path, [dict(dsl="torch", baseline=True, config_json="{}", time_utc="2026-01-01T00:00:00Z", **t(1.0)),
+                      dict(config_json=a, time_utc="2026-01-01T00:00:01Z", **t(0.95)),
+                      dict(dsl="torch", baseline=True, config_json="{}", time_utc="2026-01-01T00:01:00Z", **conf, **t(1.0)),
+                      dict(config_json=a, time_utc="2026-01-01T00:01:00Z", **conf, **t(0.9))], run="r1")
+    # A newer run confirms another, slower config: the older, faster confirmed one stays the headline.
+    _write(tmp_path, [dict(dsl="torch", baseline=True, config_json="{}", time_utc="2026-02-01T00:00:00Z", **t(1.02)),
+                      dict(config_json=b, time_utc="2026-02-01T00:00:01Z", **t(0.93)),
+                      dict(dsl="torch", baseline=True, config_json="{}", time_utc="2026-02-01T00:01:00Z", **conf, **t(1.05)),
+                      dict(config_json=b, time_utc="2026-02-01T00:01:00Z", **conf, **t(1.1))], run="r2")
+    best = with_ratios(best_per_dsl(load(tmp_path))).set_index("dsl")
+    tri = best.loc["triton"]
+    assert tri["config_json"] == a and tri["head_ms"] == pytest.approx(0.9) and tri["confirm_run"] == "r1"
+    assert tri["sweep_best_ms"] == pytest.approx(0.93) and tri["timing_source"] == "A/B confirm"
+    assert best.loc["torch", "head_ms"] == pytest.approx(1.0)
+    assert tri["ratio_to_baseline"] == pytest.approx(1.0 / 0.9) and tri["vs_baseline"] == "FASTER"
+    # Parity: a wrong_result trial's errors stay out of the worst-error table; ok trials' are in it.
+    err = lambda e: json.dumps({"y": {"rel_l2": e, "rel_max": e, "nonfinite": 0},  # noqa: E731
+                                "h_final": {"rel_l2": e / 2, "rel_max": e / 2, "nonfinite": 0}})
+    _write(tmp_path / "m2", [_m2(dsl="triton", parity_json=err(1e-3)),
+                             _m2(dsl="triton", status="wrong_result", time_ms=None, parity_json=err(0.5),
+                                 config_json='{"BLOCK_M": 32}')], kernel="m2rnn_fwd")
+    md = write(tmp_path / "m2").read_text()
+    assert "| triton | 1 | 1.0e-03 / 1.0e-03 | 5.0e-04 / 5.0e-04 |" in md and "5.0e-01" not in md
+
+
+def test_report_sweep_timed_table_shows_best_sweep_trials(tmp_path):
+    """A shape where one lane has no A/B confirm is timed from the sweep: each DSL's best sweep trial, even
+    where the DSL has an (older, slower) confirmed config."""
+    from lab.report import best_per_dsl
+    from lab.results import load
+    _write(tmp_path, [dict(config_json='{"BLOCK_M": 64}', time_ms=3.0),
+                      dict(config_json='{"BLOCK_M": 64}', time_ms=3.0, phase="confirm", trial=-1),
+                      dict(config_json='{"BLOCK_M": 128}', time_ms=1.0),
+                      dict(dsl="cute", config_json="{}", time_ms=2.0)])
+    best = best_per_dsl(load(tmp_path)).set_index("dsl")
+    assert best.loc["triton", "config_json"] == '{"BLOCK_M": 128}' and best["confirm_ms"].isna().all()
+
+
+def test_report_of_a_compile_only_sweep(tmp_path):
+    """Rows of --compile-only runs have no timings: the report says what compiled and what fits."""
+    from lab.report import compile_summary, write
+    from lab.results import load
+    limit = 101_376
+    co = dict(compile_only=True, requested_profile="gb10", actual_gpu="none (CPU only)", preflight_target="sm_121a",
+              smem_limit_bytes=limit, time_ms=None, samples_ms=None)
+    _write(tmp_path, [
+        dict(status="compiled", smem_estimate_bytes=65_536, smem_compiled_bytes=65_536, config_json='{"BLOCK_M": 64}', **co),
+        dict(status="compiled", smem_estimate_bytes=98_304, smem_compiled_bytes=98_304, config_json='{"BLOCK_M": 128}', **co),
+        dict(status="infeasible", smem_estimate_bytes=98_000, smem_compiled_bytes=140_000, config_json='{"BLOCK_M": 256}',
+             error=f"compiled shared memory 140000 B > gb10 limit {limit} B", **co),
+        dict(status="infeasible", smem_estimate_bytes=200_000, config_json='{"BLOCK_M": 512}',
+             error=f"estimated shared memory 200000 B > gb10 limit {limit} B", **co),
+        dict(status="compile_error", config_json='{"BLOCK_M": 32}', error="RuntimeError: simulated", **co),
+        dict(dsl="torch", baseline=True, status="infeasible", config_json="{}",
+             error="compile-only: nothing to compile ahead of time (cuBLAS)", **co),
+        dict(dsl="cute", phase="eligibility", status="infeasible", config_json="{}",
+             error="unavailable: ModuleNotFoundError: No module named 'cutlass'", **co),
+    ], run="co", device="gb10")
+    _write(tmp_path, [dict(dsl="torch", baseline=True, config_json="{}", time_ms=1.0)], run="timed")  # an h100 run beside it
+    s = compile_summary(load(tmp_path)).set_index("dsl")
+    tri = s.loc["triton"]
+    assert (tri["proposed"], tri["rejected_before_compile"], tri["compiled"], tri["fit"], tri["compile_errors"]) == (5, 1, 3, 2, 1)
+    assert tri["min_compiled_smem"] == 65_536 and tri["first_error"] == "RuntimeError: simulated"
+    assert s.loc["torch", "proposed"] == 0 and "nothing to compile ahead" in s.loc["torch", "note"]
+    assert "cutlass" in s.loc["cute", "note"]
+    md = write(tmp_path).read_text()
+    assert "## Compile-only runs" in md and "### gemm for gb10 (sm_121a, limit 101,376 B)" in md
+    assert "| s | triton | 5 | 1 | 3 | 2 | 65,536 | 1 (first: RuntimeError: simulated) |" in md
+    assert "## gemm on h100" in md and "## gemm on gb10" not in md  # compile-only rows get no timing table
+    assert "| co |" in md and "compile-only" in md

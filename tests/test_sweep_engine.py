@@ -138,6 +138,46 @@ def test_lane_refusing_the_whole_shape_leaves_a_row_with_its_reason(lab_env):
     assert any("no config of the sweep space" in str(line) for line in lines)
 
 
+def test_refused_space_summarises_the_reasons_by_kind(lab_env, monkeypatch):
+    """No feasible config: the row says how many configs the SMEM estimate put over the limit (with the
+    smallest and largest excess), how many broke which rule and how many the target refused."""
+    from lab import registry, sweep
+    from lab.results import load
+    (lab_env.sweeps / "gemm" / "sim.toml").write_text(
+        '[params]\nMODE = ["ok", "refused"]\nSMEM_KB = [120, 200]\nSPEED = [1, 2, 3]\nESTIMATE_BIAS_KB = [0]\n'
+        '[restrictions]\nrules = ["SPEED != 3"]\n')
+    lane = registry.get("sim", "gemm")
+    monkeypatch.setattr(lane.module, "target_reason",
+                        lambda cfg, target: f"SPEED={cfg['SPEED']} has no path on {target}" if cfg["SPEED"] == 2 else None)
+    runner, lines = SimRunner(), []
+    sweep.run(_request(lab_env, device="gb10", emulate=True, sampler="tpe", trials=3), present_h100(),
+              runner=runner, out=lines.append)
+    assert runner.seen == []
+    rows = load(lab_env.results)
+    assert len(rows) == 1 and rows["phase"].iloc[0] == "space"
+    why = rows["error"].iloc[0]
+    limit = 101_376  # gb10 opt-in shared memory per block, bytes
+    # 12 configs: 6 refused by the lane (MODE=refused), 2 by the restriction (SPEED=3), 2 by the target (SPEED=2),
+    # 2 over the limit by estimate (SMEM_KB 120 and 200).
+    assert "12 configs checked" in why
+    assert f"2 over the gb10 limit of {limit:,} B by estimate (by {120 * 1024 - limit:,} to {200 * 1024 - limit:,} B)" in why
+    assert "8 broke rules (6 'MODE=refused is refused by the lane's rules', 2 'restriction: SPEED != 3')" in why
+    assert "2 refused by target (2 'SPEED=… has no path on sm_121a')" in why
+
+
+def test_rejection_summary_masks_config_values_and_names_the_most_frequent_rules():
+    from lab.devices import get_profile
+    from lab.preflight import Verdict, rejection_summary
+    h100 = get_profile("h100")
+    vs = ([Verdict(False, f"BLOCK_M={b} must be 64 or 128", "rules") for b in (32, 256, 512)]
+          + [Verdict(False, f"rule {i}", "rules") for i in "abcd"]
+          + [Verdict(False, "over", "estimate", smem_estimate=h100.smem_optin_bytes + 8, smem_limit=h100.smem_optin_bytes)]
+          + [Verdict(True, "", "estimate")])
+    text = rejection_summary(vs, h100, top=2)
+    assert text.startswith("9 configs checked: 1 over the h100 limit of 232,448 B by estimate (by 8 B); ")
+    assert "7 broke rules (3 'BLOCK_M=… must be 64 or 128', 1 'rule a', and 3 other reasons)" in text
+
+
 _HUGE = "SMEM_KB = {}\nSPEED = {}\nESTIMATE_BIAS_KB = {}\n".format(*[list(range(1, 101))] * 3)
 
 

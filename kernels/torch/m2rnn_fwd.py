@@ -11,6 +11,9 @@ from kernels.torch._eager import (  # noqa: F401  (the lane interface)
 from lab.problems import _m2rnn as m2
 
 KERNEL = "m2rnn_fwd"
+# A slow fp32 reference, not a library a user would pick: the report compares the lanes with the
+# fastest one at each shape instead of with this one (lab/registry.py).
+BASELINE_KIND = "reference"
 
 
 def build(config: dict, shape: dict):

@@ -12,6 +12,9 @@ from kernels.torch._eager import (  # noqa: F401  (the lane interface)
 from lab.problems import _mamba3 as m3
 
 KERNEL = "mamba_bwd_bwd"
+# A slow fp32 reference, not a library a user would pick: the report compares the lanes with the
+# fastest one at each shape instead of with this one (lab/registry.py).
+BASELINE_KIND = "reference"
 
 
 def build(config: dict, shape: dict):

@@ -1,0 +1,169 @@
+"""``python -m lab gate --run``: refresh the stale entries on the GPU present and judge the change.
+
+For each entry the gate finds stale or never measured on this device (the present profile, or a
+profile named with --device, emulated), the stale shapes are re-swept: the previous committed best
+config is enqueued first, then a bounded number of new trials. Then, per shape, the previous best
+(its config run by the code it was measured with: the lane's files at that row's git commit, copied
+by ``identity.materialize``) and the new best (the checkout) are timed in one interleaved A/B run,
+and the ratio new / previous with its 95% interval gives FASTER / SAME / SLOWER. Exit 1 on SLOWER
+or on any wrong result in the re-sweep.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from lab import gate, identity, preflight, registry, space, sweep
+from lab.devices import PresentGPU
+from lab.timing import median_ci, sample_summary
+from lab.worker import WorkerRunner
+
+NOISE = 0.01  # a ratio whose whole interval lies within 1% of 1.0 is SAME even when the interval excludes 1.0
+
+
+@dataclass
+class Verdict:
+    shape: str
+    word: str  # FASTER / SAME / SLOWER / NEW (nothing to compare with)
+    previous_ms: float | None = None
+    new_ms: float | None = None
+    ratio: tuple[float, float, float] | None = None  # (median ratio new / previous, 95% low, high)
+
+    def line(self, e: gate.Entry) -> str:
+        head = f"{e.kernel} {e.dsl} {e.device} {self.shape}"
+        if self.ratio is None:
+            return f"{head}: {self.word} (new best {self.new_ms:.4f} ms; no previous ok row to compare with)" \
+                if self.new_ms else f"{head}: {self.word}"
+        r, lo, hi = self.ratio
+        return (f"{head}: previous {self.previous_ms:.4f} ms -> new {self.new_ms:.4f} ms, ratio {r:.3f} "
+                f"(95% CI {lo:.3f}-{hi:.3f}): {self.word}")
+
+
+def judge(previous: list[float], new: list[float]) -> tuple[str, tuple[float, float, float]]:
+    """FASTER / SAME / SLOWER from two interleaved sample lists (ms), by the interval of the ratio of
+    medians (bounds from each median's 95% interval)."""
+    pm, plo, phi = median_ci(previous)
+    nm, nlo, nhi = median_ci(new)
+    ratio = (nm / pm, nlo / phi, nhi / plo)
+    if ratio[1] > 1 + NOISE:
+        return "SLOWER", ratio
+    if ratio[2] < 1 - NOISE:
+        return "FASTER", ratio
+    return "SAME", ratio
+
+
+def _previous_best(rows: pd.DataFrame) -> dict[str, pd.Series]:
+    out = {}
+    for shape, g in rows.groupby("shape"):
+        conf = g[g["phase"] == "confirm"]
+        pool = conf if not conf.empty else g
+        out[shape] = pool.sort_values(["time_ms", "time_utc"]).iloc[0]
+    return out
+
+
+def _previous_lane(e: gate.Entry, row: pd.Series, work: Path) -> tuple[str, dict]:
+    """(DSL name to run the previous best under, its versions). The checkout's lane when the row was
+    measured with today's code, else a copy of the lane at the row's commit."""
+    lane = registry.get(e.dsl, e.kernel)
+    versions = json.loads(row["versions_json"] or "{}")
+    measured = gate.measured_identity(lane.module_name, versions, str(row["git_commit"]), bool(row["git_dirty"]))
+    if measured is not None and not gate.code_changes(measured, identity.lane_identity(lane.module_name)):
+        return e.dsl, versions
+    if measured is None or not row["git_commit"] or bool(row["git_dirty"]):
+        raise RuntimeError(f"the previous best at {row['shape']} was measured with code this repository cannot "
+                           f"rebuild (commit {row['git_commit']!r}, dirty {bool(row['git_dirty'])})")
+    pkg, dsl = identity.materialize(lane.module_name, str(row["git_commit"]), work)
+    if str(work) not in sys.path:
+        sys.path.insert(0, str(work))
+    packages = [p for p in os.environ.get("LAB_KERNEL_PACKAGES", "").split(",") if p]
+    os.environ["LAB_KERNEL_PACKAGES"] = ",".join(dict.fromkeys(packages + [pkg]))
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([str(work), *sys.path]))
+    return dsl, versions
+
+
+def refresh(df: pd.DataFrame, present: PresentGPU | None, *, devices: list[str] | None = None,
+            kernels: list[str] | None = None, dsls: list[str] | None = None, trials: int = 8,
+            results_dir: Path = Path("results"), timeout_s: float = 300.0, runner=None, out=print) -> int:
+    """Re-sweeps and A/B-judges every stale entry runnable here; returns the exit status (0 / 1)."""
+    here = present.profile if present else None
+    entries = [e for e in gate.evaluate(df, devices=devices, kernels=kernels, dsls=dsls)
+               if e.status != "fresh" and (e.device == here or (devices and e.device in devices))]
+    if not entries:
+        out(f"gate --run: nothing stale to refresh on {here or 'this machine'}")
+        return 0
+    ok = gate.ok_rows(df)
+    failed = False
+    work = Path(tempfile.mkdtemp(prefix="lab-gate-"))
+    for e in entries:
+        rows = ok[(ok["kernel"] == e.kernel) & (ok["dsl"] == e.dsl) & (ok["requested_profile"] == e.device)] \
+            if not ok.empty else ok
+        prev = _previous_best(rows) if not rows.empty else {}
+        shapes = e.stale_shapes or space.load_shapes(e.kernel)[1]
+        out(f"gate --run: {e.kernel} {e.dsl} {e.device}: {e.status}; re-sweeping {', '.join(shapes)}")
+        req = sweep.SweepRequest(
+            kernel=e.kernel, device=e.device, dsls=[e.dsl], shapes=shapes, trials=trials, timeout_s=timeout_s,
+            emulate=e.device != here, results_dir=results_dir, baseline=False, confirm=False, progress=False,
+            seeds={(e.dsl, s): [json.loads(prev[s]["config_json"])] for s in shapes if s in prev})
+        sw, _ = sweep.run(req, present, runner=runner, out=out)
+        new_rows = pd.DataFrame(sw.writer.rows)
+        wrong = new_rows[new_rows["status"] == "wrong_result"] if not new_rows.empty else new_rows
+        for _, w in wrong.iterrows():
+            failed = True
+            was = " (the previous best)" if w["shape"] in prev and \
+                json.loads(w["config_json"]) == json.loads(prev[w["shape"]]["config_json"]) else ""
+            out(f"PARITY FAIL {e.kernel} {e.dsl} {e.device} {w['shape']}{was}: {w['config_json']}: {str(w['error'])[:200]}")
+        good = new_rows[(new_rows["status"] == "ok")] if not new_rows.empty else new_rows
+        ab_runner = runner
+        for shape in shapes:
+            mine = good[good["shape"] == shape] if not good.empty else good
+            if mine.empty:
+                out(f"{e.kernel} {e.dsl} {e.device} {shape}: no ok config in the re-sweep")
+                failed = True
+                continue
+            best = mine.sort_values("time_ms").iloc[0]
+            if shape not in prev:
+                out(Verdict(shape, "NEW", new_ms=float(best["time_ms"])).line(e))
+                continue
+            try:
+                prev_dsl, prev_versions = _previous_lane(e, prev[shape], work)
+            except (RuntimeError, FileNotFoundError) as exc:
+                out(f"{e.kernel} {e.dsl} {e.device} {shape}: no A/B: {exc}")
+                failed = True
+                continue
+            if ab_runner is None:
+                ab_runner = WorkerRunner("cuda", env={k: os.environ[k] for k in ("LAB_KERNEL_PACKAGES", "PYTHONPATH")
+                                                      if k in os.environ})
+            lane = registry.get(e.dsl, e.kernel)
+            cache = preflight.lane_cache_env(lane, sw.mode.run_target)
+            task = {"kind": "abab", "kernel": e.kernel, "shape": dict(sw.shapes_all[shape]), "seed": 7,
+                    "l2_bytes": sw.l2_bytes, "lanes": [(prev_dsl, json.loads(prev[shape]["config_json"]), cache),
+                                                       (e.dsl, json.loads(best["config_json"]), cache)],
+                    "timing": {"budget_ms": 6000.0, "min_time_ms": 500.0, "min_samples": 50}}
+            result = ab_runner.run(task, timeout_s * 2)
+            if result.get("status") != "ok":
+                out(f"{e.kernel} {e.dsl} {e.device} {shape}: A/B failed: {result.get('status')}: "
+                    f"{str(result.get('error', ''))[:200]}")
+                failed = True
+                continue
+            word, ratio = judge(result["samples"][0], result["samples"][1])
+            for phase, cfg, samples, versions in (
+                    ("gate_previous", prev[shape]["config_json"], result["samples"][0], prev_versions),
+                    ("gate_checkout", best["config_json"], result["samples"][1], json.loads(best["versions_json"]))):
+                res = sample_summary(samples, f"abab-{result.get('stop', '')}")
+                study = f"gate {word}" + (f" previous@{prev[shape]['git_commit']}" if phase == "gate_previous" else "")
+                sw.writer.add(sw._row(lane, shape, dict(sw.shapes_all[shape]), json.loads(cfg), -1, "ok", None, res,
+                                      versions=versions, phase=phase, study=study))
+            v = Verdict(shape, word, float(median_ci(result["samples"][0])[0]),
+                        float(median_ci(result["samples"][1])[0]), ratio)
+            out(v.line(e))
+            failed = failed or word == "SLOWER"
+        if ab_runner is not None and ab_runner is not runner and hasattr(ab_runner, "close"):
+            ab_runner.close()
+    out(f"gate --run: {'FAIL' if failed else 'pass'}")
+    return 1 if failed else 0
