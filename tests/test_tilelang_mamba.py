@@ -192,7 +192,7 @@ def test_cli_preflight_lists_configs_that_fit_gb10(lab_env):
     import subprocess
     import sys
     p = subprocess.run([sys.executable, "-m", "lab", "preflight", "mamba_bwd_bwd", "--device", "gb10",
-                        "--shape", "gb10", "--compile-limit", "2", "--jobs", "2"],
+                        "--dsl", "tilelang", "--shape", "gb10", "--compile-limit", "2", "--jobs", "2"],
                        capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parent.parent)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "shape gb10" in p.stdout and "limit 101,376 B" in p.stdout and "compiled 2 for sm_121a" in p.stdout
@@ -200,5 +200,8 @@ def test_cli_preflight_lists_configs_that_fit_gb10(lab_env):
     assert len(listed) == 2 and all("B compiled" in ln for ln in listed if not ln.strip().startswith("error"))
     assert "0 on the wrong side of the limit" in p.stdout, p.stdout
     # Every DSL is accounted for: the ones without this kernel say so in a typed line.
-    assert "cute     missing" in p.stdout and "triton   missing" in p.stdout
-    assert "no compile-verified figure" in p.stdout                    # the torch lane
+    p = subprocess.run([sys.executable, "-m", "lab", "list", "mamba_bwd_bwd", "--device", "gb10"],
+                       capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent)
+    lines = {ln.split()[1]: ln for ln in p.stdout.splitlines() if ln.startswith("  mamba_bwd_bwd")}
+    assert "missing: no kernels/cute/mamba_bwd_bwd.py" in lines["cute"] and "missing" in lines["cutile"]
+    assert all(lines[d].rstrip().endswith(" ok") for d in ("tilelang", "torch", "triton")), p.stdout

@@ -9,21 +9,13 @@ inputs: IEEE fp32 product), the rank-1 k v^T, tanh, the gate.
 """
 from __future__ import annotations
 
-import os
-import time
-
 import triton
 import triton.language as tl
 
-from kernels.triton import _common
+from kernels.triton._common import TARGETS, aot, eligibility, interpreting  # noqa: F401  (used by both lanes)
 
-TARGETS = ("sm_80", "sm_90a", "sm_100a", "sm_120a", "sm_121a")
 DTYPES = ("float32", "bfloat16")
 _TL_NAME = {"float32": "fp32", "bfloat16": "bf16"}
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -195,24 +187,9 @@ def prefetch_reason(config: dict) -> str | None:
     return None
 
 
-def eligibility(target: str) -> str | None:
-    return None if target in TARGETS else f"no Triton path for {target} (have {', '.join(TARGETS)})"
-
-
 def fast_tanh(config: dict) -> bool:
     """The inline-PTX tanh cannot run in the interpreter: there the exact formula stands in (CPU tests)."""
     return bool(config["FAST_TANH"]) and not interpreting()
-
-
-def aot(fn, sig: dict, consts: dict, target: str, num_warps: int) -> dict:
-    """Ahead-of-time compile for ``target`` (no GPU): shared memory and registers of the cubin."""
-    from triton.backends.compiler import GPUTarget
-    sig = {**sig, **{k: "constexpr" for k in consts}}
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
-    t0 = time.perf_counter()
-    kernel = triton.compile(src, target=GPUTarget("cuda", _common.cc(target), 32), options={"num_warps": num_warps})
-    return {"smem_bytes": int(kernel.metadata.shared), "registers": getattr(kernel, "n_regs", None),
-            "compile_s": time.perf_counter() - t0, "binary": "cubin"}
 
 
 def forward_signature(shape: dict, y_fp32: bool) -> dict:
