@@ -86,3 +86,9 @@ def test_compiles_within_the_gb10_limit(target, shape):
     res = lane.compile_for(seed, sh, target)
     assert set(res["kernels"]) == {"scan", "key", "value", "reduce"}
     assert 0 < res["smem_bytes"] <= GB10_LIMIT, res
+
+
+def test_the_key_side_p_block_that_failed_on_the_gpu_is_refused():
+    sh = space.get_shape("mamba_bwd_bwd", "h100_tuned")
+    assert "KEY_BP=64" in (lane.config_reason({"KEY_BP": 64}, sh) or "")
+    assert lane.config_reason({"KEY_BP": 32}, sh) is None
