@@ -75,7 +75,7 @@ def config_reason(config: dict, shape: dict) -> str | None:
     if c["KEY_BP"] >= 64:
         # Every config with KEY_BP = 64 failed on the H100 (2026-11-25, Triton 3.6, P = 64): illegal memory
         # access, or non-finite DQ / DK / DANGLES (results/h100/mamba_bwd_bwd, run 20261125T074359Z); the
-        # cause is not found, and the interpreter computes those configs right.
+        # cause is not found (under the interpreter, one P step of all of P computes right).
         return f"KEY_BP={c['KEY_BP']}: the key-side P loop miscompiles at 64 columns (measured on sm_90a)"
     for key in ("scan_warps", "key_warps", "chunk_warps"):
         if c[key] not in (1, 2, 4, 8, 16):
