@@ -26,7 +26,7 @@ from lab import identity, problems, registry, space
 from lab.devices import LabError, PROFILES, get_profile
 
 # Row version keys that are not toolchain pins (identity, harness, the image's own builds).
-_NOT_PINNED = {"lab", "lane_sha", "lane_code", "lane_files", "python", "torch", "cuda", "cublas"}
+_NOT_PINNED = {"lab", "lane_sha", "lane_code", "lane_files", "lane_hash", "python", "torch", "cuda", "cublas"}
 
 
 @dataclass
@@ -109,13 +109,16 @@ def _identity_at(module: str, commit: str) -> dict | None:
 
 
 def measured_identity(module: str, versions: dict, commit: str, dirty: bool) -> dict | None:
-    """The lane files a row was measured with: recorded in the row, else rebuilt at its git commit
-    (a dirty checkout's commit does not say what ran: None)."""
-    if "lane_files" in versions:
-        return {"lane_code": versions.get("lane_code"), "lane_files": versions["lane_files"]}
+    """The lane files a row was measured with: recorded in the row (in this checkout's hash scheme),
+    else rebuilt at its git commit (a dirty checkout's commit does not say what ran), else what an
+    older scheme recorded (compared as is: stale unless equal), else None."""
+    recorded = {"lane_code": versions.get("lane_code"), "lane_files": versions["lane_files"]} \
+        if "lane_files" in versions else None
+    if recorded and versions.get("lane_hash") == identity.SCHEME:
+        return recorded
     if commit and commit != "unknown" and not dirty:
         return _identity_at(module, commit)
-    return None
+    return recorded
 
 
 def code_changes(measured: dict | None, current: dict) -> set[str]:

@@ -1,7 +1,7 @@
 """What a lane's measurements depend on: the code of its module and of the kernels/ modules it imports.
 
-A lane's identity is a hash of each file's code with docstrings and comments stripped (the hash of
-``ast.dump`` of the parsed module, docstrings removed), so that editing prose leaves results fresh
+A lane's identity is a hash of each file's code with docstrings and comments stripped (the hash of a
+canonical dump of the parsed module, docstrings removed), so that editing prose leaves results fresh
 and editing a helper the lane imports (kernels/triton/_m2rnn.py, kernels/cute/_aot.py, ...) makes
 them stale. The import closure is followed through every kernel package (``registry.kernel_packages``),
 never into the harness or a DSL. The same walk runs over any file reader, so the identity of a lane
@@ -35,7 +35,33 @@ def code_hash(source: str) -> str:
             if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
                     and isinstance(body[0].value.value, str):
                 node.body = body[1:] or [ast.Pass()]
-    return hashlib.sha1(ast.dump(tree, include_attributes=False).encode()).hexdigest()[:12]
+    return hashlib.sha1(canonical(tree).encode()).hexdigest()[:12]
+
+
+# The hash scheme rows record beside their lane files ("lane_hash"): rows without it were hashed with
+# ast.dump, which differs between Python versions (3.12 added FunctionDef.type_params), so the GPU
+# image's Python 3.12 and the checkout's 3.11 disagreed on unchanged files; such rows are judged by
+# the identity rebuilt at their commit (lab.gate.measured_identity).
+SCHEME = "ast-canon-1"
+
+
+def canonical(node) -> str:
+    """A syntax tree as text that does not depend on the Python version: node types and the fields
+    that hold something (None and empty lists, the form new optional fields take, are left out)."""
+    if isinstance(node, ast.AST):
+        parts = []
+        for name in node._fields:
+            value = getattr(node, name, None)
+            if value is None or (isinstance(value, list) and not value) or name in _VERSIONED_FIELDS:
+                continue
+            parts.append(f"{name}={canonical(value)}")
+        return f"{type(node).__name__}({','.join(parts)})"
+    if isinstance(node, list):
+        return "[" + ",".join(canonical(v) for v in node) + "]"
+    return repr(node)
+
+
+_VERSIONED_FIELDS = {"type_params", "type_comment", "kind"}
 
 
 def _package_dirs() -> dict[str, Path]:
@@ -126,9 +152,10 @@ def _read_checkout(path: str) -> str | None:
 
 
 def lane_identity(module_name: str) -> dict:
-    """{"lane_code": summary hash, "lane_files": {file: code hash}} of a lane module in this checkout."""
+    """{"lane_code": summary hash, "lane_files": {file: code hash}, "lane_hash": SCHEME} of a lane
+    module in this checkout."""
     files = closure(module_name, _read_checkout)
-    return {"lane_code": summary_hash(files), "lane_files": files}
+    return {"lane_code": summary_hash(files), "lane_files": files, "lane_hash": SCHEME}
 
 
 def git_reader(commit: str, root: Path | None = None) -> Reader:

@@ -60,7 +60,7 @@ def entries(df: pd.DataFrame, device: str) -> list[dict]:
             "parity_rel_l2": _num(same.max()) if not same.empty else None, "run_id": r["run_id"], "time_utc": r["time_utc"],
             "git_commit": r["git_commit"], "actual_gpu": r["actual_gpu"], "emulated": bool(r["emulated"]),
             "compile_target": r["compile_target"],
-            "toolchain": {k: v for k, v in sorted(versions.items()) if k not in ("lane_sha", "lane_code", "lane_files")},
+            "toolchain": {k: v for k, v in sorted(versions.items()) if k not in ("lane_sha", "lane_code", "lane_files", "lane_hash")},
             "lane_files": measured["lane_files"] if measured else None,
             "fresh": not gate.code_changes(measured, current[module]) and not gate.version_changes(versions, pins),
         })

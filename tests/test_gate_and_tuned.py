@@ -5,6 +5,8 @@ Each test builds a throwaway git repository holding two toy lanes of the gemm ke
 repository the way a change would."""
 from __future__ import annotations
 
+import ast
+
 import json
 import subprocess
 import sys
@@ -131,6 +133,24 @@ def _entries(df, **kw):
 def _gate_cli(repo, *extra):
     from lab.cli import main
     return main(["gate", "--dsl", "toy", "toy2", "--results", str(repo.results), *extra])
+
+
+def test_code_hash_does_not_depend_on_the_python_version():
+    """Fields a newer Python adds (empty, like 3.12's FunctionDef.type_params) leave the hash alone."""
+    tree = ast.parse("def f(x):\n    return x + 1\n")
+    before = identity.canonical(tree)
+    tree.body[0].type_params = []
+    tree.body[0]._fields = (*tree.body[0]._fields, "type_params")
+    assert identity.canonical(tree) == before and "type_params" not in before and "None" not in before
+
+
+def test_rows_of_an_older_hash_scheme_are_judged_at_their_commit(monkeypatch):
+    recorded = {"lab": "0", "lane_code": "x", "lane_files": {"kernels/a.py": "old-scheme"}}
+    monkeypatch.setattr(gate, "_identity_at", lambda module, commit: {"lane_code": "y", "lane_files": {"kernels/a.py": commit}})
+    assert gate.measured_identity("m", recorded, "abc", False)["lane_files"] == {"kernels/a.py": "abc"}
+    assert gate.measured_identity("m", recorded, "abc", True)["lane_files"] == {"kernels/a.py": "old-scheme"}
+    assert gate.measured_identity("m", {**recorded, "lane_hash": identity.SCHEME}, "abc", False)["lane_files"] == \
+        {"kernels/a.py": "old-scheme"}
 
 
 def test_code_hash_ignores_docstrings_and_comments_only():
@@ -334,7 +354,7 @@ def _committed_sim_row(lab_env, config, lane_files):
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=identity.ROOT, capture_output=True, text=True).stdout.strip()
     row = _row("toy", commit=head, shape="tiny", config=config)
     row.update(dsl="sim", run_id="previous", versions_json=json.dumps(
-        {"lab": lab.__version__, "lane_code": "x", "lane_files": lane_files}),
+        {"lab": lab.__version__, "lane_code": "x", "lane_files": lane_files, "lane_hash": identity.SCHEME}),
         shape_json=json.dumps({"M": 24, "N": 16, "K": 40, "dtype": "float32"}), dtype="float32")
     w = results.RunWriter(lab_env.results / "h100" / "gemm", "previous")
     w.add(row)
