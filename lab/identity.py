@@ -43,6 +43,7 @@ def code_hash(source: str) -> str:
 # image's Python 3.12 and the checkout's 3.11 disagreed on unchanged files; such rows are judged by
 # the identity rebuilt at their commit (lab.gate.measured_identity).
 SCHEME = "ast-canon-1"
+_VERSIONED_FIELDS = {"type_params", "type_comment", "kind"}
 
 
 def canonical(node) -> str:
@@ -60,8 +61,6 @@ def canonical(node) -> str:
         return "[" + ",".join(canonical(v) for v in node) + "]"
     return repr(node)
 
-
-_VERSIONED_FIELDS = {"type_params", "type_comment", "kind"}
 
 
 def _package_dirs() -> dict[str, Path]:

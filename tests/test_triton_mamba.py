@@ -78,7 +78,7 @@ def test_configs_that_do_not_fit_the_shape_are_refused(config, msg):
 @pytest.mark.parametrize("target,shape", [("sm_121a", n) for n in ("h100_tuned", "anchor_b2", "training", "gb10")]
                          + [("sm_90a", "h100_tuned")])
 def test_compiles_within_the_gb10_limit(target, shape):
-    """Every default shape has a config (the sweep file's first seed) whose three kernels compile for
+    """Every default shape has a config (the sweep file's first seed) whose four kernels compile for
     sm_121a within GB10's 101,376 B, and for sm_90a."""
     sh = space.get_shape("mamba_bwd_bwd", shape)
     seed = space.load_space("mamba_bwd_bwd", "triton", lane.TUNABLES).seeds[0]
