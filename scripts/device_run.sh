@@ -18,10 +18,10 @@ fi
 [ -f /opt/labsite/env.sh ] && source /opt/labsite/env.sh
 # The copy of the tree sent there has no .git (or a stale one): a bundle of this repository, carried as
 # .gpu/git (git bundle create .gpu/git/repo.bundle --all), gives gate --run the commits it rebuilds
-# previous lane code from, and this checkout's commit.
-if [ -f .gpu/git/repo.bundle ]; then
-  rm -rf /tmp/labgit && git clone -q --bare .gpu/git/repo.bundle /tmp/labgit && export GIT_DIR=/tmp/labgit \
-    && export LAB_GIT_COMMIT="${LAB_GIT_COMMIT:-$(git rev-parse --short HEAD)}"
+# previous lane code from, and this checkout's commit. It stays in /tmp/labgit while the machine is warm.
+[ -f .gpu/git/repo.bundle ] && rm -rf /tmp/labgit && git clone -q --bare .gpu/git/repo.bundle /tmp/labgit
+if [ -d /tmp/labgit ]; then
+  export GIT_DIR=/tmp/labgit LAB_GIT_COMMIT="${LAB_GIT_COMMIT:-$(GIT_DIR=/tmp/labgit git rev-parse --short HEAD)}"
 fi
 # TileLang finds nvcc through CUDA_HOME.
 [ -z "${CUDA_HOME:-}" ] && [ -d /usr/local/cuda ] && export CUDA_HOME=/usr/local/cuda
