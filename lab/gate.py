@@ -42,6 +42,7 @@ class Entry:
     emulated: bool = False
     touched: bool | None = None  # with --base: did base..checkout change what this lane's rows depend on
     needed: bool = False          # named by gate.toml (``required`` drops it when --base did not touch it)
+    reference: bool = False       # a reference lane, never required
 
     @property
     def failing(self) -> bool:
@@ -54,7 +55,8 @@ class Entry:
 
     def line(self) -> str:
         what = self.status if not self.changes else f"{self.status}: {'; '.join(self.changes)}"
-        mark = "required" if self.required else "untouched" if self.needed else "optional"
+        mark = "required" if self.required else "untouched" if self.needed else \
+            "reference" if self.reference else "optional"
         text = f"{self.kernel:14} {self.dsl:9} {self.device:7} [{mark}] {what}"
         return text if self.status == "fresh" else f"{text}  ->  {self.command()}"
 
@@ -235,10 +237,13 @@ def evaluate(df: pd.DataFrame, devices: list[str] | None = None, base: str | Non
         for device in PROFILES:
             if devices and device not in devices:
                 continue
-            need = device in required.get(lane.kernel, [])
+            # A reference lane (BASELINE_KIND "reference": an eager fp32 loop that parity and reports
+            # use, not code that ships) is never required; its rows are listed, marked as such.
+            reference = registry.baseline_kind(lane.dsl, lane.kernel) == "reference"
+            need = device in required.get(lane.kernel, []) and not reference
             if not need and device not in measured:
                 continue
-            e = Entry(lane.kernel, lane.dsl, device, need, needed=need)
+            e = Entry(lane.kernel, lane.dsl, device, need, needed=need, reference=reference)
             mine = rows[rows["requested_profile"] == device] if not rows.empty else rows
             if diff:
                 keys = {k for v in mine["versions_json"] for k in json.loads(v or "{}")} - _NOT_PINNED

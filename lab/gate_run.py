@@ -92,8 +92,10 @@ def refresh(df: pd.DataFrame, present: PresentGPU | None, *, devices: list[str] 
             results_dir: Path = Path("results"), timeout_s: float = 300.0, runner=None, out=print) -> int:
     """Re-sweeps and A/B-judges every stale entry runnable here; returns the exit status (0 / 1)."""
     here = present.profile if present else None
+    # Reference lanes are refreshed only when named with --dsl (they are slow and never required).
     entries = [e for e in gate.evaluate(df, devices=devices, kernels=kernels, dsls=dsls)
-               if e.status != "fresh" and (e.device == here or (devices and e.device in devices))]
+               if e.status != "fresh" and (e.device == here or (devices and e.device in devices))
+               and (not e.reference or (dsls and e.dsl in dsls))]
     if not entries:
         out(f"gate --run: nothing stale to refresh on {here or 'this machine'}")
         return 0
@@ -136,9 +138,13 @@ def refresh(df: pd.DataFrame, present: PresentGPU | None, *, devices: list[str] 
                 out(f"{e.kernel} {e.dsl} {e.device} {shape}: no A/B: {exc}")
                 failed = True
                 continue
-            if ab_runner is None:
-                ab_runner = WorkerRunner("cuda", env={k: os.environ[k] for k in ("LAB_KERNEL_PACKAGES", "PYTHONPATH")
-                                                      if k in os.environ})
+            # A worker imports the previous lanes' packages at start: one materialized after it started
+            # (another commit's code, at a later shape) needs a fresh worker.
+            env = {k: os.environ[k] for k in ("LAB_KERNEL_PACKAGES", "PYTHONPATH") if k in os.environ}
+            if runner is None and (ab_runner is None or ab_runner.env != env):
+                if ab_runner is not None:
+                    ab_runner.close()
+                ab_runner = WorkerRunner("cuda", env=env)
             lane = registry.get(e.dsl, e.kernel)
             cache = preflight.lane_cache_env(lane, sw.mode.run_target)
             task = {"kind": "abab", "kernel": e.kernel, "shape": dict(sw.shapes_all[shape]), "seed": 7,

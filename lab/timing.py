@@ -132,9 +132,11 @@ def _flusher(device: str, l2_bytes: int):
 def bench_interleaved(fns: list, device: str = "cuda", l2_bytes: int = 0, warmup_ms: float = 25.0,
                       rel_ci: float = 0.01, min_samples: int = 10, max_samples: int = 2000,
                       budget_ms: float = 3000.0, min_time_ms: float = 100.0) -> list[Timing]:
-    """Time several calls A B C A B C ...: one sample of each in turn, so that all of them see the
-    same clock and thermal history. Stops when every median's 95% CI is within ``rel_ci``, each has
-    ``min_time_ms`` of samples, or at the budget."""
+    """Time several calls in rounds, one sample of each per round, so that all of them see the same
+    clock and thermal history; every other round runs them in reverse order (A B, B A, ...), so that
+    a call's place in the round cannot bias the comparison (in fixed order, identical calls of a few
+    tens of us can differ by percents). Stops when every median's 95% CI is within ``rel_ci``, each
+    has ``min_time_ms`` of samples, or at the budget."""
     clock = _Clock(device)
     flush = _flusher(device, l2_bytes)
     # Time-based warm-up: compilation, module load and clocks ramping stay out of the samples.
@@ -148,12 +150,14 @@ def bench_interleaved(fns: list, device: str = "cuda", l2_bytes: int = 0, warmup
 
     samples: list[list[float]] = [[] for _ in fns]
     deadline = time.perf_counter() + budget_ms / 1e3
-    batch, stop = 5, "max_samples"
+    batch, stop, rounds = 5, "max_samples", 0
     while len(samples[0]) < max_samples:
         pending = [[] for _ in fns]
         for _ in range(batch):
-            for i, fn in enumerate(fns):
-                pending[i].append(clock.sample(flush, fn))
+            order = range(len(fns)) if rounds % 2 == 0 else range(len(fns) - 1, -1, -1)
+            rounds += 1
+            for i in order:
+                pending[i].append(clock.sample(flush, fns[i]))
         for i in range(len(fns)):
             samples[i] += clock.resolve(pending[i])
         if len(samples[0]) >= min_samples and all(sum(s) >= min_time_ms for s in samples):

@@ -226,6 +226,21 @@ def test_gate_device_never_measured_and_emulated_command(repo, lab_env):
     assert ("toy2", "h200") not in _entries(df)
 
 
+def test_reference_lanes_are_listed_but_never_required(lab_env):
+    # The real torch M2RNN lanes are fp32 reference loops (BASELINE_KIND "reference").
+    registry._LANES.clear()
+    rows = [_row("toy", shape="b2_n8")]
+    rows[0].update(kernel="m2rnn_fwd", dsl="torch", versions_json=json.dumps({"lab": "0.0.0"}))
+    w = results.RunWriter(lab_env.results / "h100" / "m2rnn_fwd", "ref")
+    w.add(rows[0])
+    (lab_env.sweeps / "gate.toml").write_text('[required]\ndefault = ["h100"]\n')
+    entries = gate.evaluate(results.load(lab_env.results), kernels=["m2rnn_fwd", "gemm"], dsls=["torch"])
+    ref = {(e.kernel, e.device): e for e in entries}
+    assert ref[("m2rnn_fwd", "h100")].reference and ref[("m2rnn_fwd", "h100")].status == "stale"
+    assert not ref[("m2rnn_fwd", "h100")].failing and "[reference]" in ref[("m2rnn_fwd", "h100")].line()
+    assert ref[("gemm", "h100")].required and ref[("gemm", "h100")].status == "never measured"
+
+
 def test_gate_legacy_rows_judged_by_the_identity_at_their_commit(repo):
     df = _write(repo, [_row("toy", commit=repo.head, legacy=True), _row("toy2", commit="", legacy=True)])
     e = _entries(df)

@@ -123,6 +123,16 @@ def test_median_ci_and_bench_on_cpu():
     assert t.q1_ms <= t.median_ms <= t.q3_ms
 
 
+def test_interleaved_timing_alternates_the_order_of_each_round():
+    from lab.timing import bench_interleaved
+    calls = []
+    fns = [lambda: calls.append("A"), lambda: calls.append("B")]
+    out = bench_interleaved(fns, device="cpu", warmup_ms=0, min_samples=6, max_samples=6, min_time_ms=0)
+    rounds = ["".join(calls[i:i + 2]) for i in range(2, 14, 2)]  # after one warm-up call each
+    assert rounds == ["AB", "BA", "AB", "BA", "AB", "BA"]
+    assert len(out[0].samples_ms) == len(out[1].samples_ms) >= 6
+
+
 def test_registry_typed_eligibility(lab_env):
     from lab import registry
     table = registry.eligibility_table("gemm", "sm_75")
