@@ -129,7 +129,7 @@ def cmd_gate(args) -> int:
     if args.run:
         from lab import gate_run
         return gate_run.refresh(df, detect(), devices=args.device, kernels=args.kernel, dsls=args.dsl,
-                                trials=args.trials, results_dir=Path(args.results), timeout_s=args.timeout)
+                                shapes=args.shape, trials=args.trials, results_dir=Path(args.results), timeout_s=args.timeout)
     entries = gate.evaluate(df, devices=args.device, base=args.base, kernels=args.kernel, dsls=args.dsl)
     scope = f"lanes touched since {args.base}" if args.base else "every required entry"
     print(f"gate: {len(df)} rows under {args.results}; required: {scope} (sweeps/gate.toml)")
@@ -205,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "--device named, emulated) and A/B the new best against the previous best's code; exit 1 on "
                    "SLOWER or a wrong result")
     s.add_argument("--trials", type=int, default=8, help="with --run: new trials per stale shape after the previous best")
+    s.add_argument("--shape", action="append", help="with --run: re-check these shapes of the selected entries, "
+                   "fresh or not (repeatable)")
     s.add_argument("--timeout", type=float, default=300.0, help="with --run: seconds per candidate")
     s.set_defaults(fn=cmd_gate)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 from lab import gate, identity, preflight, registry, space, sweep
-from lab.devices import PresentGPU
+from lab.devices import LabError, PresentGPU
 from lab.timing import median_ci, sample_summary
 from lab.worker import WorkerRunner
 
@@ -59,12 +59,10 @@ def judge(previous: list[float], new: list[float]) -> tuple[str, tuple[float, fl
 
 
 def _previous_best(rows: pd.DataFrame) -> dict[str, pd.Series]:
-    out = {}
-    for shape, g in rows.groupby("shape"):
-        conf = g[g["phase"] == "confirm"]
-        pool = conf if not conf.empty else g
-        out[shape] = pool.sort_values(["time_ms", "time_utc"]).iloc[0]
-    return out
+    """Per shape, the fastest committed ok row of any measuring phase: a later sweep that found a
+    faster config without a confirm run still sets the bar (a confirm-only pool would fall back on an
+    older, slower config)."""
+    return {shape: g.sort_values(["time_ms", "time_utc"]).iloc[0] for shape, g in rows.groupby("shape")}
 
 
 def _previous_lane(e: gate.Entry, row: pd.Series, work: Path) -> tuple[str, dict]:
@@ -88,14 +86,26 @@ def _previous_lane(e: gate.Entry, row: pd.Series, work: Path) -> tuple[str, dict
 
 
 def refresh(df: pd.DataFrame, present: PresentGPU | None, *, devices: list[str] | None = None,
-            kernels: list[str] | None = None, dsls: list[str] | None = None, trials: int = 8,
-            results_dir: Path = Path("results"), timeout_s: float = 300.0, runner=None, out=print) -> int:
-    """Re-sweeps and A/B-judges every stale entry runnable here; returns the exit status (0 / 1)."""
+            kernels: list[str] | None = None, dsls: list[str] | None = None, shapes: list[str] | None = None,
+            trials: int = 8, results_dir: Path = Path("results"), timeout_s: float = 300.0, runner=None,
+            out=print) -> int:
+    """Re-sweeps and A/B-judges every stale entry runnable here; returns the exit status (0 / 1).
+    ``shapes``: re-check exactly these shapes of the selected entries, fresh ones included."""
     here = present.profile if present else None
-    # Reference lanes are refreshed only when named with --dsl (they are slow and never required).
-    entries = [e for e in gate.evaluate(df, devices=devices, kernels=kernels, dsls=dsls)
-               if e.status != "fresh" and (e.device == here or (devices and e.device in devices))
-               and (not e.reference or (dsls and e.dsl in dsls))]
+    entries, known = [], set()
+    for e in gate.evaluate(df, devices=devices, kernels=kernels, dsls=dsls):
+        if shapes:
+            named = space.load_shapes(e.kernel)[0]
+            known |= set(named)
+            e.stale_shapes = [s for s in shapes if s in named]
+        # Reference lanes are refreshed only when named with --dsl (they are slow and never required).
+        if (e.stale_shapes if shapes else e.status != "fresh") \
+                and (e.device == here or (devices and e.device in devices)) \
+                and (not e.reference or (dsls and e.dsl in dsls)):
+            entries.append(e)
+    unknown = [s for s in shapes or [] if s not in known]
+    if unknown:
+        raise LabError(f"unknown shape {unknown[0]!r} for the selected kernels (see sweeps/<kernel>/shapes.toml)")
     if not entries:
         out(f"gate --run: nothing stale to refresh on {here or 'this machine'}")
         return 0
@@ -106,12 +116,13 @@ def refresh(df: pd.DataFrame, present: PresentGPU | None, *, devices: list[str] 
         rows = ok[(ok["kernel"] == e.kernel) & (ok["dsl"] == e.dsl) & (ok["requested_profile"] == e.device)] \
             if not ok.empty else ok
         prev = _previous_best(rows) if not rows.empty else {}
-        shapes = e.stale_shapes or space.load_shapes(e.kernel)[1]
-        out(f"gate --run: {e.kernel} {e.dsl} {e.device}: {e.status}; re-sweeping {', '.join(shapes)}")
+        todo = e.stale_shapes or space.load_shapes(e.kernel)[1]
+        out(f"gate --run: {e.kernel} {e.dsl} {e.device}: {e.status}; re-sweeping {', '.join(todo)}")
         req = sweep.SweepRequest(
-            kernel=e.kernel, device=e.device, dsls=[e.dsl], shapes=shapes, trials=trials, timeout_s=timeout_s,
+            kernel=e.kernel, device=e.device, dsls=[e.dsl], shapes=todo, trials=trials, new_trials=True,
+            timeout_s=timeout_s,
             emulate=e.device != here, results_dir=results_dir, baseline=False, confirm=False, progress=False,
-            seeds={(e.dsl, s): [json.loads(prev[s]["config_json"])] for s in shapes if s in prev})
+            seeds={(e.dsl, s): [json.loads(prev[s]["config_json"])] for s in todo if s in prev})
         sw, _ = sweep.run(req, present, runner=runner, out=out)
         new_rows = pd.DataFrame(sw.writer.rows)
         wrong = new_rows[new_rows["status"] == "wrong_result"] if not new_rows.empty else new_rows
@@ -122,7 +133,7 @@ def refresh(df: pd.DataFrame, present: PresentGPU | None, *, devices: list[str] 
             out(f"PARITY FAIL {e.kernel} {e.dsl} {e.device} {w['shape']}{was}: {w['config_json']}: {str(w['error'])[:200]}")
         good = new_rows[(new_rows["status"] == "ok")] if not new_rows.empty else new_rows
         ab_runner = runner
-        for shape in shapes:
+        for shape in todo:
             mine = good[good["shape"] == shape] if not good.empty else good
             if mine.empty:
                 out(f"{e.kernel} {e.dsl} {e.device} {shape}: no ok config in the re-sweep")

@@ -75,6 +75,7 @@ class SweepRequest:
     dsls: list[str] | None = None          # None: every lane of the kernel
     shapes: list[str] | None = None        # None: the kernel's default shapes
     trials: int = 40                       # measured candidates per (DSL, shape), resumed studies included
+    new_trials: bool = False               # trials counts this run's measurements only (gate --run)
     timeout_s: float = 300.0               # per candidate (compile + parity + timing)
     sampler: str = "tpe"
     seed: int = 0
@@ -348,8 +349,9 @@ class Sweep:
                                         why.stage, smem_estimate=why.smem_estimate, smem_limit=why.smem_limit)
             self._refuse(lane, shape_name, shape, cfg, verdict, phase="space", versions=versions, study=study_name)
             return None
-        target = req.trials if req.sampler == "grid" else min(req.trials, feasible_total)
         done0 = len(measured)
+        trials = req.trials + done0 if req.new_trials else req.trials
+        target = trials if req.sampler == "grid" else min(trials, feasible_total)
         bar = _progress(req.progress, total=target, initial=min(done0, target), desc=f"{lane.dsl} {shape_name}")
         queue: deque = deque()
         pending: set[str] = set()

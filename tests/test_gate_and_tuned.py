@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 
+import pandas as pd
 import pytest
 
 import lab
@@ -410,3 +411,31 @@ def test_gate_run_reports_a_previous_best_that_now_computes_garbage(lab_env):
                           runner=ABRunner(1.0), out=lines.append)
     text = "\n".join(lines)
     assert rc == 1 and "PARITY FAIL gemm sim h100 tiny (the previous best)" in text, text
+
+
+def test_gate_run_previous_best_is_the_fastest_row_of_any_phase():
+    from lab import gate_run
+    rows = pd.DataFrame([_row("toy", ms=2.0, phase="confirm", config={"BLOCK": 64}, time_utc="2026-11-22T10:00:00Z"),
+                         _row("toy", ms=1.0, phase="sweep", config={"BLOCK": 32}, time_utc="2026-11-23T10:00:00Z")])
+    best = gate_run._previous_best(rows)
+    assert json.loads(best["sq4096_bf16"]["config_json"]) == {"BLOCK": 32}
+
+
+def test_gate_run_shape_rechecks_a_fresh_entry(lab_env):
+    from lab import gate_run
+    from tests.test_sweep_engine import present_h100
+    registry._LANES.clear()
+    files = dict(identity.lane_identity("tests.fake_lanes.sim.gemm")["lane_files"])
+    df = _committed_sim_row(lab_env, SIM_BEST, files)
+    assert {e.status for e in gate.evaluate(df, devices=["h100"], kernels=["gemm"], dsls=["sim"])} == {"fresh"}
+    lines, runner = [], ABRunner(1.0)
+    assert gate_run.refresh(df, present_h100(), kernels=["gemm"], dsls=["sim"], trials=1,
+                            results_dir=lab_env.results, runner=runner, out=lines.append) == 0
+    assert lines == ["gate --run: nothing stale to refresh on h100"] and not runner.ab_lanes
+    rc = gate_run.refresh(df, present_h100(), kernels=["gemm"], dsls=["sim"], shapes=["tiny"], trials=1,
+                          results_dir=lab_env.results, runner=runner, out=lines.append)
+    text = "\n".join(lines)
+    assert rc == 0 and "gemm sim h100 tiny: previous" in text and ": SAME" in text, text
+    assert runner.ab_lanes == [["sim", "sim"]]  # unchanged code: the checkout's lane on both sides
+    with pytest.raises(LabError, match="unknown shape 'nope'"):
+        gate_run.refresh(df, present_h100(), kernels=["gemm"], dsls=["sim"], shapes=["nope"], runner=runner)

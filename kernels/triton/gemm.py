@@ -62,9 +62,9 @@ def _gemm_ptr(a_ptr, b_ptr, c_ptr, M, N, K,
     b_tile = b_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in tl.range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - k0 * BLOCK_K
-        a = tl.load(a_tile, mask=row_ok & (ks[None, :] < k_left), other=0.0)
-        b = tl.load(b_tile, mask=(ks[:, None] < k_left) & col_ok, other=0.0)
+        k_rem = K - k0 * BLOCK_K
+        a = tl.load(a_tile, mask=row_ok & (ks[None, :] < k_rem), other=0.0)
+        b = tl.load(b_tile, mask=(ks[:, None] < k_rem) & col_ok, other=0.0)
         acc = tl.dot(a, b, acc)
         a_tile += BLOCK_K * stride_ak
         b_tile += BLOCK_K * stride_bk
