@@ -1,4 +1,4 @@
-"""Command line: python -m lab {devices,list,preflight,sweep,gate,export,report}.
+"""Command line: python -m lab {devices,list,preflight,sweep,check,profile,gate,export,report}.
 
 Bad input (unknown kernel, device, DSL, shape or config key; malformed sweep file) prints one line
 ``error: ...`` on stderr and exits with status 2.
@@ -142,6 +142,21 @@ def cmd_gate(args) -> int:
     return 1 if failing else 0
 
 
+def _shape_names(values: list[str]) -> list[str]:
+    return [s for v in values for s in v.split(",") if s]
+
+
+def cmd_check(args) -> int:
+    from lab import check
+    return check.check(args.kernel, args.dsl, _shape_names(args.shape), args.config, args.device, args.traceback)
+
+
+def cmd_profile(args) -> int:
+    from lab import check
+    return check.profile(args.kernel, args.dsl, _shape_names(args.shape), args.config, args.device, args.calls,
+                         args.top)
+
+
 def cmd_export(args) -> int:
     from lab import results, tuned
     for path in tuned.export(results.load(args.results), Path(args.out), args.device):
@@ -194,6 +209,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-confirm", action="store_true", help="skip the A/B re-timing of the best configs")
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(fn=cmd_sweep)
+
+    for name, text in (("check", "one lane now: parity on every output and the harness's timing, per config and shape"),
+                       ("profile", "one lane's GPU time per launched kernel (torch.profiler, L2 flushed per call)")):
+        s = sub.add_parser(name, help=text)
+        s.add_argument("kernel")
+        s.add_argument("--dsl", required=True)
+        s.add_argument("--shape", action="append", required=True, help="named shape(s), comma-separated or repeated")
+        s.add_argument("--config", action="append", help="JSON object of tunables (defaults for the rest); repeatable")
+        s.add_argument("--device", help="cuda (default when a GPU is present) or cpu")
+        if name == "check":
+            s.add_argument("--traceback", action="store_true", help="print the traceback of a failed config")
+            s.set_defaults(fn=cmd_check)
+        else:
+            s.add_argument("--calls", type=int, default=10)
+            s.add_argument("--top", type=int, default=8, help="kernels to list per shape")
+            s.set_defaults(fn=cmd_profile)
 
     s = sub.add_parser("gate", help="which results no longer describe the checkout: what a merge must re-sweep (no GPU)")
     s.add_argument("--base", help="git ref: require only the lanes that base..checkout touched")

@@ -8,7 +8,7 @@ against an fp32 forward / BPTT of the same inputs on the GPU (lab/problems/_m2rn
   2. after each segment launch: the states the recompute wrote to scratch, then dH and dW (per batch row and
      value head) after that launch's walk (first bad segment, in walk order: last to first);
   3. per step t, the per-value-head dq, dk, dv, df (first bad t in walk order, i.e. the largest);
-  4. the final outputs against lab.problems' reference (the check_lane.py verdict).
+  4. the final outputs against lab.problems' reference (the `python -m lab check` verdict).
 With --inject the reference checkpoints and states overwrite the lane's after each launch,
 so the walk runs on exact states: if the gradients turn right, the forward / recompute is at fault, else the walk.
 "Bad" is rel_l2 > 2e-2 (the bf16 band) or any non-finite value.

@@ -32,6 +32,10 @@ def assert_one_line_error(p, *needles):
     (["preflight", "gemm", "--device", "gb10", "--shape", "noshape"], ["unknown shape"]),
     (["list", "nokernel"], ["unknown kernel"]),
     (["report", "no/such/folder"], ["no such results folder"]),
+    (["check", "gemm", "--dsl", "torch", "--shape", "sq4096_bf16"], ["no GPU here", "--device cpu"]),
+    (["check", "gemm", "--dsl", "triton", "--shape", "tiny", "--device", "cpu", "--config", '{"BLOK_M": 64}'],
+     ["unknown config key 'BLOK_M'"]),
+    (["profile", "gemm", "--dsl", "torch", "--shape", "tiny", "--device", "cpu", "--config", "{bad"], ["not JSON"]),
 ])
 def test_bad_input_one_line_exit_2(lab_env, args, needles):
     assert_one_line_error(lab(*args), *needles)
@@ -95,3 +99,16 @@ def test_compile_only_sweep_runs_without_gpu(lab_env):
     # The baseline has nothing to compile ahead of time: it says so in a row instead of vanishing.
     base = df[df["dsl"] == "torch"]
     assert len(base) == 1 and base["status"].iloc[0] == "infeasible" and "compile" in base["error"].iloc[0]
+
+
+def test_check_and_profile_a_lane_on_the_cpu(lab_env):
+    # The sim lane: MODE picks its behaviour (ok / wrong results / a build error); it runs on the CPU.
+    ok, wrong = '{"MODE": "ok"}', '{"MODE": "wrong"}'
+    p = lab("check", "gemm", "--dsl", "sim", "--shape", "tiny", "--device", "cpu", "--config", ok, "--config", wrong)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert "tiny: ok (parity at timed" in p.stdout and "median" in p.stdout and "rel_l2" in p.stdout, p.stdout
+    assert "tiny: wrong_result" in p.stdout, p.stdout
+    p = lab("check", "gemm", "--dsl", "sim", "--shape", "tiny", "--device", "cpu", "--config", ok)
+    assert p.returncode == 0, p.stdout + p.stderr[-2000:]
+    p = lab("profile", "gemm", "--dsl", "torch", "--shape", "tiny", "--device", "cpu", "--calls", "3")
+    assert p.returncode == 0 and "per call (us), 3 calls" in p.stdout and "aten::" in p.stdout, p.stdout + p.stderr

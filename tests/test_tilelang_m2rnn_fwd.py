@@ -2,7 +2,7 @@
 barrier, no shared-memory round trip, W in registers), ahead-of-time cubins for sm_90a and sm_121a at
 the default shapes and their parity shapes (registers, no spills, shared memory held to the
 estimate), and the config / target rules. No GPU here: numerics are checked on one by
-scripts/check_lane.py. Each nvcc compile costs several seconds on two cores: the list is short."""
+`python -m lab check`. Each nvcc compile costs several seconds on two cores: the list is short."""
 from __future__ import annotations
 
 import re
