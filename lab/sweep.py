@@ -254,6 +254,7 @@ class Sweep:
     def run(self) -> list[dict]:
         req = self.req
         pool = preflight.CompilePool(req.compile_workers if req.prefetch > 0 else 0)
+        self.out(f"run {self.run_id}: rows in {self.writer.path}")  # ties a log to its rows
         if self.runner is None and not self.mode.compile_only:
             self.runner = WorkerRunner("cuda")
         try:
