@@ -104,6 +104,13 @@ def cmd_sweep(args) -> int:
     for n in args.shape or []:
         if n not in shapes:
             raise LabError(f"unknown shape {n!r} for {args.kernel} (known: {', '.join(shapes)})")
+    if args.gpus:
+        from lab import multi
+        import torch
+        gpus = multi.gpu_list(args.gpus, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+        if len(gpus) > 1:
+            return multi.run_workers(args.argv, gpus, args.compile_workers)
+        os.environ["CUDA_VISIBLE_DEVICES"], os.environ["LAB_GPU_INDEX"] = str(gpus[0]), str(gpus[0])
     req = sweep.SweepRequest(
         kernel=args.kernel, device=args.device, dsls=dsls, shapes=args.shape or None, trials=args.trials,
         timeout_s=args.timeout, sampler=args.sampler, seed=args.seed, storage=args.storage, emulate=args.emulate,
@@ -112,6 +119,28 @@ def cmd_sweep(args) -> int:
         baseline=not args.no_baseline, confirm=not args.no_confirm, progress=not args.no_progress)
     sw, summary = sweep.run(req, detect())
     print(f"results: {sw.writer.path} ({len(sw.writer.rows)} rows)")
+    return 0
+
+
+def cmd_dashboard(args) -> int:
+    """optuna-dashboard on a study storage; the lab's trial attributes show under each trial."""
+    url = args.storage
+    if url is None:
+        found = sorted(Path("results").rglob("optuna.db"))
+        if not found:
+            raise LabError("no optuna.db under results/: name a storage URL or file")
+        url = str(found[0])
+    if "://" not in url:
+        if not Path(url).is_file():
+            raise LabError(f"no such storage file {url}")
+        url = f"sqlite:///{Path(url).resolve()}"
+    try:
+        import optuna_dashboard
+    except ImportError:
+        raise LabError("optuna-dashboard is not installed (pip install -e '.[dev]' pins it)") from None
+    print(f"dashboard: http://127.0.0.1:{args.port}/ on {url}; trial attributes: status, error, parity_rel_l2, "
+          f"smem_compiled_bytes, host, gpu_index (Ctrl-C stops)", flush=True)
+    optuna_dashboard.run_server(url, host="127.0.0.1", port=args.port)
     return 0
 
 
@@ -208,7 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-baseline", action="store_true", help="do not add the baseline lane")
     s.add_argument("--no-confirm", action="store_true", help="skip the A/B re-timing of the best configs")
     s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--gpus", help="all, or a comma list of GPU indices: one worker per GPU on the same study")
     s.set_defaults(fn=cmd_sweep)
+
+    s = sub.add_parser("dashboard", help="optuna-dashboard on a study storage (trial status, error, parity, SMEM)")
+    s.add_argument("storage", nargs="?", help="storage URL or a results/<device>/<kernel>/optuna.db file "
+                   "(default: the first optuna.db under results/)")
+    s.add_argument("--port", type=int, default=8080)
+    s.set_defaults(fn=cmd_dashboard)
 
     for name, text in (("check", "one lane now: parity on every output and the harness's timing, per config and shape"),
                        ("profile", "one lane's GPU time per launched kernel (torch.profiler, L2 flushed per call)")):
@@ -257,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # --gpus hands them to its workers
     try:
         return args.fn(args)
     except LabError as exc:

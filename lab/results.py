@@ -36,6 +36,7 @@ COLUMNS = {
     "compile_s": "float", "preflight_compile_s": "float",
     "sm_clock_start_mhz": "float", "sm_clock_end_mhz": "float", "clock_drift": "bool",
     "versions_json": "str", "seed": "int", "sampler": "str", "study": "str",
+    "host": "str", "gpu_index": "float",  # the machine and GPU (index on it) that measured the row
 }
 
 

@@ -15,12 +15,11 @@ import json
 import math
 import os
 import platform
-import socket
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lab import identity, preflight, problems, registry, space as space_mod
+from lab import identity, preflight, problems, registry, space as space_mod, study as study_mod
 from lab.devices import DeviceProfile, LabError, PresentGPU, PROFILES, get_profile
 from lab.results import RunWriter, git_state, new_run_id, now_utc
 from lab.worker import WorkerRunner
@@ -136,14 +135,15 @@ def _recover_dead_trials(study, rows_dir: Path) -> None:
     from its row (so the config is not measured twice); any other dead trial is marked FAIL."""
     import optuna
     from lab.results import load
-    host = socket.gethostname()
+    host = study_mod.worker_identity()["host"]
     dead = []
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-        if t.user_attrs.get("host") != host:
+        # Another host's trial, or one a worker is still setting up (asked, its pid not yet written).
+        if t.user_attrs.get("host") != host or not t.user_attrs.get("pid"):
             continue
         pid = t.user_attrs.get("pid")
         try:
-            alive = bool(pid) and pid != os.getpid() and (os.kill(pid, 0) is None)
+            alive = pid != os.getpid() and (os.kill(pid, 0) is None)
         except OSError:
             alive = False
         if not alive:
@@ -154,21 +154,30 @@ def _recover_dead_trials(study, rows_dir: Path) -> None:
     rows = rows[(rows["study"] == study.study_name) & (rows["phase"] == "sweep")]
     storage = study._storage
     for t in dead:
-        got = rows[rows["trial"] == t.number]
-        if got.empty:
-            storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
-            continue
-        r = got.iloc[-1]
-        status = r["status"]
-        key = space_mod.config_key(json.loads(r["config_json"]))
-        value = float(r["time_ms"]) if status == "ok" else PENALTY_MS
-        measured = status not in ("infeasible",)
-        for k, v in (("status", status), ("config_key", key), ("measured", measured), ("recovered", True)):
-            storage.set_trial_user_attr(t._trial_id, k, v)
-        # The same constraint Trial.set_constraint("ok", ...) records for a live trial.
-        from optuna.trial._trial import _CONSTRAINTS_KEY
-        storage.set_trial_system_attr(t._trial_id, f"{_CONSTRAINTS_KEY}:ok", 0.0 if status == "ok" else 1.0)
-        storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.COMPLETE, [value])
+        try:
+            _recover_one(study, storage, t, rows[rows["trial"] == t.number])
+        except optuna.exceptions.UpdateFinishedTrialError:
+            pass  # another worker on this host recovered it first
+
+
+def _recover_one(study, storage, t, got) -> None:
+    """Complete a dead trial from its row (``got``), or fail it and enqueue its config again."""
+    import optuna
+    if got.empty:  # died before its row: failed, and its config enqueued again (as for a silent worker)
+        storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
+        study_mod.retry_callback()(study, storage.get_trial(t._trial_id))
+        return
+    r = got.iloc[-1]
+    status = r["status"]
+    key = space_mod.config_key(json.loads(r["config_json"]))
+    value = float(r["time_ms"]) if status == "ok" else PENALTY_MS
+    measured = status not in ("infeasible",)
+    for k, v in (("status", status), ("config_key", key), ("measured", measured), ("recovered", True)):
+        storage.set_trial_user_attr(t._trial_id, k, v)
+    # The same constraint Trial.set_constraint("ok", ...) records for a live trial.
+    from optuna.trial._trial import _CONSTRAINTS_KEY
+    storage.set_trial_system_attr(t._trial_id, f"{_CONSTRAINTS_KEY}:ok", 0.0 if status == "ok" else 1.0)
+    storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.COMPLETE, [value])
 
 
 class Sweep:
@@ -189,6 +198,8 @@ class Sweep:
         self.dir = Path(req.results_dir) / req.device / req.kernel
         self.writer = RunWriter(self.dir, self.run_id)
         self.storage = req.storage or f"sqlite:///{(self.dir / 'optuna.db').resolve()}"
+        self._storage = None  # opened on first use (lab.study.open_storage)
+        self.worker = study_mod.worker_identity()
         self.commit, self.dirty = git_state()
         l2 = 0
         if mode.run_profile and mode.run_profile.l2_bytes:
@@ -248,6 +259,7 @@ class Sweep:
             "clock_drift": bool(c0 and c1 and abs(c1 - c0) / c0 > 0.10),
             "versions_json": json.dumps(versions or {}, sort_keys=True), "seed": self.req.seed,
             "sampler": self.req.sampler, "study": study,
+            "host": self.worker["host"], "gpu_index": self.worker["gpu_index"],
         }
 
     # -- main loop --------------------------------------------------------------------------------
@@ -266,7 +278,7 @@ class Sweep:
                     if got:
                         best[lane.dsl] = got
                 if req.confirm and not self.mode.compile_only and len(best) > 1:
-                    self._confirm(shape_name, shape, best)
+                    self._confirm_once(shape_name, shape, best)
         finally:
             pool.close()
             if self.runner is not None and hasattr(self.runner, "close"):
@@ -305,11 +317,14 @@ class Sweep:
         self.dir.mkdir(parents=True, exist_ok=True)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         try:
-            study = optuna.create_study(study_name=study_name, storage=self.storage, direction="minimize",
+            if self._storage is None:
+                self._storage = study_mod.open_storage(self.storage)
+            study = optuna.create_study(study_name=study_name, storage=self._storage, direction="minimize",
                                         sampler=_sampler(req.sampler, req.seed), load_if_exists=True)
-        except (ValueError, ImportError) as exc:
-            raise LabError(f"cannot open study storage {self.storage}: {exc}") from None
+        except (ValueError, ImportError, *study_mod.storage_errors()) as exc:
+            raise LabError(f"cannot open study storage {self.storage}: {str(exc).splitlines()[0]}") from None
         _recover_dead_trials(study, self.dir)
+        study_mod.fail_stale(study)  # other workers' dead trials: failed, their configs enqueued again
         if req.sampler == "grid" and space.size > GRID_LIMIT:
             raise LabError(f"--sampler grid over {space.size:,} configs of {space.source} (at most {GRID_LIMIT:,}): "
                            f"use tpe or random")
@@ -354,6 +369,7 @@ class Sweep:
         trials = req.trials + done0 if req.new_trials else req.trials
         target = trials if req.sampler == "grid" else min(trials, feasible_total)
         bar = _progress(req.progress, total=target, initial=min(done0, target), desc=f"{lane.dsl} {shape_name}")
+        beats = study_mod.Heartbeats(self._storage)
         queue: deque = deque()
         pending: set[str] = set()
         stale = 0
@@ -363,15 +379,37 @@ class Sweep:
         rejected_by_compile: set[str] = set()
         rejected_cheap: set[str] = set()
 
-        def tell(trial, value, status, key, measured_flag):
+        def tell(trial, value, status, key, measured_flag, row=None):
+            for k in ("error", "parity_rel_l2", "smem_compiled_bytes") if row else ():  # shown by `lab dashboard`
+                if row.get(k) not in (None, ""):
+                    trial.set_user_attr(k, row[k] if k != "error" else str(row[k])[:300])
             trial.set_user_attr("status", status)
             trial.set_user_attr("config_key", key)
             trial.set_user_attr("measured", measured_flag)
             trial.set_constraint("ok", 0.0 if status == "ok" else 1.0)
-            study.tell(trial, value)
+            try:
+                study.tell(trial, value)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                self.out(f"{lane.dsl:8s} {shape_name}: trial {trial.number} was taken for dead by another worker "
+                         f"(no heartbeat for LAB_GRACE_S s) and its config retried there; its row stays")
+            beats.stop(trial)
+
+        def drop(trial):
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            beats.stop(trial)
 
         def more() -> bool:
-            if len(measured) >= target:
+            study_mod.fail_stale(study)  # a worker that died meanwhile: its config goes back in the queue
+            # Other workers' measurements count toward the target, and so do the configs they hold now.
+            held = 0
+            for t in study_mod.trials(study, (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.RUNNING)):
+                if t.state == optuna.trial.TrialState.RUNNING:
+                    theirs = (t.user_attrs.get("host"), t.user_attrs.get("pid")) != (self.worker["host"],
+                                                                                      self.worker["pid"])
+                    held += bool(t.user_attrs.get("claim")) and theirs
+                elif t.user_attrs.get("measured") and t.user_attrs.get("config_key") not in measured:
+                    measured[t.user_attrs["config_key"]] = t.value
+            if len(measured) + held >= target:
                 return False
             if req.sampler == "grid":  # every grid point gets its row, infeasible ones included
                 return len(measured.keys() | rejected_by_compile | rejected_cheap | pending) < space.size
@@ -381,8 +419,9 @@ class Sweep:
             # Fill the look-ahead queue: proposals go through the cheap checks now, compiles in the pool.
             while len(queue) <= req.prefetch and stale < STALE_STREAK:
                 trial = study.ask(dists)
-                trial.set_user_attr("host", socket.gethostname())
-                trial.set_user_attr("pid", os.getpid())
+                beats.start(trial)
+                for k, v in self.worker.items():
+                    trial.set_user_attr(k, v)
                 cfg = lane.full_config(dict(trial.params))
                 key = space_mod.config_key(cfg)
                 if key in measured or key in pending or key in rejected_by_compile or key in rejected_cheap:
@@ -390,7 +429,7 @@ class Sweep:
                     if key in measured:
                         tell(trial, measured[key], "duplicate", key, False)
                     else:
-                        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                        drop(trial)
                     continue
                 cheap = preflight.cheap_checks(lane, space, cfg, shape, self.mode.requested)
                 if not cheap.feasible:
@@ -400,6 +439,19 @@ class Sweep:
                     counts["infeasible"] = counts.get("infeasible", 0) + 1
                     rejected_cheap.add(key)
                     tell(trial, PENALTY_MS, "infeasible", key, False)
+                    continue
+                owner = study_mod.claim(study, trial, key)
+                if owner is None and study_mod.rank(study, trial) >= target:
+                    drop(trial)  # workers that claimed earlier fill the target
+                    break
+                if owner is not None:  # another worker holds this config
+                    stale += 1
+                    if owner.state == optuna.trial.TrialState.COMPLETE:
+                        measured[key] = owner.value
+                        tell(trial, owner.value, "duplicate", key, False)
+                    else:
+                        counts["taken"] = counts.get("taken", 0) + 1
+                        drop(trial)
                     continue
                 pending.add(key)
                 queue.append((trial, cfg, key, pool.submit(lane, space, cfg, shape, self.mode.requested)))
@@ -411,11 +463,12 @@ class Sweep:
             verdict = preflight.Verdict(**fut.result())
             if not verdict.feasible:
                 status = "compile_error" if verdict.stage == "compile_error" else "infeasible"
-                self.writer.add(self._row(lane, shape_name, shape, cfg, trial.number, status, verdict,
-                                          versions=versions, study=study_name))
+                row = self._row(lane, shape_name, shape, cfg, trial.number, status, verdict, versions=versions,
+                                study=study_name)
+                self.writer.add(row)
                 counts[status] = counts.get(status, 0) + 1
                 rejected_by_compile.add(key)
-                tell(trial, PENALTY_MS, status, key, status == "compile_error")
+                tell(trial, PENALTY_MS, status, key, status == "compile_error", row)
                 if status == "compile_error":
                     measured[key] = PENALTY_MS
                     bar.update(1)
@@ -437,18 +490,20 @@ class Sweep:
                         "env": preflight.lane_cache_env(lane, self.mode.run_target)}
                 result = self.runner.run(task, req.timeout_s)
                 status = result["status"]
-            self.writer.add(self._row(lane, shape_name, shape, cfg, trial.number, status, verdict, result,
-                                      versions=versions, study=study_name))
+            row = self._row(lane, shape_name, shape, cfg, trial.number, status, verdict, result, versions=versions,
+                            study=study_name)
+            self.writer.add(row)
             counts[status] = counts.get(status, 0) + 1
             value = result.get("time_ms") if status == "ok" else PENALTY_MS
-            tell(trial, value, status, key, True)
+            tell(trial, value, status, key, True, row)
             measured[key] = value
             if status == "ok" and (best_val is None or value < best_val):
                 best_val = value
             bar.update(1)
             bar.set_postfix_str(f"best {best_val:.4f} ms" if best_val else "best -", refresh=False)
         for trial, *_ in queue:
-            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            drop(trial)
+        beats.stop_all()
         bar.close()
         ok = {k: v for k, v in measured.items() if v < PENALTY_MS}
         summary = {"dsl": lane.dsl, "shape": shape_name, "measured": len(measured), "counts": counts,
@@ -458,10 +513,47 @@ class Sweep:
         self.out(f"{lane.dsl:8s} {shape_name}: {len(measured)} measured in the study ({len(measured) - done0} new); "
                  f"this run's outcomes: {outcome}; best "
                  + (f"{summary['best_ms']:.4f} ms" if ok else "- (no ok trial)"))
-        if not ok:
-            return None
-        best_key = min(ok, key=ok.get)
-        return (lane, json.loads(best_key), versions, study_name)
+        # Without an ok trial of its own, a worker still names the study: another worker's may hold one.
+        return (lane, json.loads(min(ok, key=ok.get)) if ok else None, versions, study_name)
+
+    def _confirm_once(self, shape_name, shape, best: dict) -> None:
+        """Confirm unless another worker of the same studies did (or will): the worker that finds no
+        trial of them still running confirms, once per set of best configs (a claim, lab.study)."""
+        import optuna
+        entries = list(best.values())
+        studies = [optuna.load_study(study_name=name, storage=self._storage) for *_, name in entries]
+        if any(study_mod.trials(s, (optuna.trial.TrialState.RUNNING,)) for s in studies):
+            self.out(f"confirm {shape_name}: other workers are still measuring; the last to finish confirms")
+            return
+        best = {}  # each lane's best as the study holds it now (other workers' trials included)
+        for (lane, _, versions, name), s in zip(entries, studies):
+            ok = [t for t in study_mod.trials(s, (optuna.trial.TrialState.COMPLETE,))
+                  if t.user_attrs.get("measured") and t.user_attrs.get("status") == "ok"]
+            if ok:
+                top = min(ok, key=lambda t: t.value)
+                best[lane.dsl] = (lane, json.loads(top.user_attrs["config_key"]), versions, name)
+        if len(best) < 2:
+            return
+        names = sorted(s.study_name for s in studies)
+        claims = optuna.create_study(storage=self._storage, load_if_exists=True, study_name=(
+            f"{self.req.kernel}|confirm|{shape_name}|{hashlib.sha1('|'.join(names).encode()).hexdigest()[:12]}"))
+        done = {s.study_name: sum(bool(t.user_attrs.get("measured"))
+                                  for t in study_mod.trials(s, (optuna.trial.TrialState.COMPLETE,))) for s in studies}
+        key = json.dumps({"best": sorted((lane.dsl, cfg) for lane, cfg, _, _ in best.values()), "trials": done},
+                         sort_keys=True)
+        trial = claims.ask()
+        beats = study_mod.Heartbeats(self._storage)
+        beats.start(trial)
+        try:
+            if study_mod.claim(claims, trial, key) is not None:
+                self.out(f"confirm {shape_name}: already confirmed (this or another worker) for these best configs")
+                claims.tell(trial, state=optuna.trial.TrialState.FAIL)
+                return
+            self._confirm(shape_name, shape, best)
+            trial.set_user_attr("measured", True)
+            claims.tell(trial, 0.0)
+        finally:
+            beats.stop_all()
 
     def _confirm(self, shape_name, shape, best: dict):
         """Re-time each lane's best config interleaved (A B A B ...) in one worker; rows phase=confirm."""

@@ -1,0 +1,138 @@
+"""Optuna studies that several sweep workers share (processes, GPUs of one host, several hosts).
+
+The storage is Optuna's RDB storage (SQLite for one host, PostgreSQL for several: ``--storage
+postgresql://...``); nothing here coordinates beyond what it stores:
+
+* A worker claims a config before compiling it: it tags its trial with the config's key, then reads
+  the study, and goes on only when no other live or measured trial carries that key. Both of two
+  racing workers write before they read, so at least one sees the other: never both measure it
+  (both may step back; the config stays free for a later proposal). One that steps back skips the
+  config (``taken``) or, when the other has measured it, records a duplicate of that value.
+* A worker beats a heartbeat for each trial it holds (Optuna's heartbeat, every LAB_HEARTBEAT_S s). A
+  trial whose worker fell silent for LAB_GRACE_S s is failed by the next worker that looks, and Optuna's
+  retry callback enqueues its config again, so a dead worker's trial is retried, not lost.
+"""
+from __future__ import annotations
+
+import os
+import random
+import socket
+import time
+import warnings
+
+MAX_RETRY = 2  # a config whose worker died this many times is left failed
+
+
+def open_storage(url: str):
+    """RDB storage with heartbeats (every LAB_HEARTBEAT_S s, default 10; a worker silent for
+    LAB_GRACE_S s, default 120, is taken for dead) and retry of dead workers' trials."""
+    from optuna.exceptions import ExperimentalWarning
+    from optuna.storages import RDBStorage
+    # The lab drives studies by ask / tell with Optuna's heartbeat run per trial (Heartbeats below);
+    # Optuna warns that heartbeats are experimental and meant for Study.optimize.
+    warnings.filterwarnings("ignore", category=ExperimentalWarning)
+    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
+    heartbeat, grace = int(os.environ.get("LAB_HEARTBEAT_S", "10")), int(os.environ.get("LAB_GRACE_S", "120"))
+    # SQLite: wait for a lock instead of failing when other workers write (one host only).
+    kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {"pool_pre_ping": True}
+    for attempt in range(5):
+        try:
+            return RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=heartbeat, grace_period=grace,
+                              heartbeat_stale_trial_callback=retry_callback())
+        except storage_errors():
+            # Workers that start together on a new database race to create Optuna's tables; the
+            # losers see a duplicate-key error and find the tables there on the next try.
+            if attempt == 4:
+                raise
+            time.sleep(0.2 + random.random())
+
+
+def retry_callback():
+    """Optuna's callback that enqueues a dead worker's config again (at most MAX_RETRY times)."""
+    from optuna.storages import RetryHeartbeatStaleTrialCallback
+    return RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRY)
+
+
+def storage_errors() -> tuple[type[BaseException], ...]:
+    """What a storage that cannot be reached or opened raises."""
+    try:
+        from sqlalchemy.exc import SQLAlchemyError
+    except ImportError:
+        return ()
+    return (SQLAlchemyError,)
+
+
+def worker_identity() -> dict:
+    """Host and GPU of this worker, recorded on its trials and rows."""
+    gpu = os.environ.get("LAB_GPU_INDEX")
+    if gpu is None:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        gpu = visible.split(",")[0] if visible and visible.split(",")[0].isdigit() else None
+    host = os.environ.get("LAB_HOST") or socket.gethostname()  # LAB_HOST: a name for a machine whose hostname says nothing
+    return {"host": host, "gpu_index": int(gpu) if gpu is not None else None, "pid": os.getpid()}
+
+
+def trials(study, states=None) -> list:
+    """The study's trials as stored now. Not ``study.get_trials``: Optuna's trial cache skips a trial
+    of another worker that it first meets after a later-numbered one has finished."""
+    storage = study._storage
+    storage = getattr(storage, "_backend", storage)  # past optuna's _CachedStorage, to the RDB storage
+    return storage.get_all_trials(storage.get_study_id_from_name(study.study_name), deepcopy=False, states=states)
+
+
+def claim(study, trial, key: str):
+    """None when ``trial`` now holds config ``key`` alone; else another trial that holds it (COMPLETE:
+    measured, its value stands; RUNNING: another worker has it, or is claiming it right now)."""
+    import optuna
+    trial.set_user_attr("claim", key)
+    live = (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.COMPLETE)
+    others = [t for t in trials(study, live) if t.user_attrs.get("claim") == key and t.number != trial.number
+              and (t.state == optuna.trial.TrialState.RUNNING or t.user_attrs.get("measured"))]
+    # Yield to any other claim, whatever its number: two racing workers both wrote before they read,
+    # so at least one sees the other (both may yield; the config stays free for a later proposal).
+    return min(others, key=lambda t: (t.state != optuna.trial.TrialState.COMPLETE, t.number), default=None)
+
+
+def rank(study, trial) -> int:
+    """Configs measured, plus those held (claimed, being measured) under lower trial numbers than
+    ``trial``, read in one snapshot: ``trial`` fits in a budget of N trials when this is below N."""
+    import optuna
+    states = (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.COMPLETE)
+    done, ahead = set(), 0
+    for t in trials(study, states):
+        if t.state == optuna.trial.TrialState.COMPLETE:
+            if t.user_attrs.get("measured"):
+                done.add(t.user_attrs.get("config_key"))
+        elif t.number < trial.number and t.user_attrs.get("claim"):
+            ahead += 1
+    return len(done) + ahead
+
+
+def fail_stale(study) -> None:
+    """Fail the trials of workers that stopped beating (their configs are re-enqueued)."""
+    import optuna
+    optuna.storages.fail_stale_trials(study)
+
+
+class Heartbeats:
+    """One heartbeat thread per held trial: started when the trial is asked, stopped when told."""
+
+    def __init__(self, storage):
+        self.storage = storage
+        self.threads: dict[int, object] = {}
+
+    def start(self, trial) -> None:
+        from optuna.storages._heartbeat import get_heartbeat_thread
+        t = get_heartbeat_thread(trial._trial_id, self.storage)
+        t.start()
+        self.threads[trial.number] = t
+
+    def stop(self, trial) -> None:
+        t = self.threads.pop(trial.number, None)
+        if t is not None:
+            t.join()
+
+    def stop_all(self) -> None:
+        for t in self.threads.values():
+            t.join()
+        self.threads.clear()

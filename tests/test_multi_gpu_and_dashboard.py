@@ -1,0 +1,72 @@
+"""``sweep --gpus``: the GPU list, the workers' arguments, and two real worker processes sharing one
+study (compile-only, so no GPU is needed); ``lab dashboard`` serving a study over HTTP."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from lab import multi
+from lab.devices import LabError
+from lab.results import load
+
+
+def test_gpu_list_and_worker_arguments():
+    assert multi.gpu_list("all", 4) == [0, 1, 2, 3] and multi.gpu_list("1,3", 4) == [1, 3]
+    for spec, visible, needle in (("all", 0, "no GPU"), ("4", 4, "indices 0..3"), ("0,0", 2, "each named once"),
+                                  ("x", 2, "comma list")):
+        with pytest.raises(LabError, match=needle):
+            multi.gpu_list(spec, visible)
+    argv = ["sweep", "gemm", "--device", "h100", "--gpus", "all", "--compile-workers", "8", "--trials", "5"]
+    assert multi.worker_argv(argv, 3) == ["sweep", "gemm", "--device", "h100", "--trials", "5",
+                                          "--compile-workers", "3", "--no-progress"]
+
+
+def test_two_workers_one_per_gpu_share_the_study(lab_env):
+    (lab_env.sweeps / "gemm" / "sim.toml").write_text(
+        '[params]\nMODE = ["ok", "slow"]\nSMEM_KB = [16, 32, 48, 64]\nSPEED = [1, 2, 3]\nESTIMATE_BIAS_KB = [0]\n')
+    lines = []
+    argv = ["sweep", "gemm", "--device", "h100", "--dsl", "sim", "--shape", "tiny", "--compile-only", "--trials", "10",
+            "--sampler", "random", "--no-baseline", "--results", str(lab_env.results), "--gpus", "0,1"]
+    assert multi.run_workers(argv, [0, 1], compile_workers=2, out=lines.append) == 0, "\n".join(lines)
+    rows = load(lab_env.results)
+    assert len(rows) == 10 and rows["config_json"].is_unique, "\n".join(lines)
+    assert set(rows["gpu_index"].astype(int)) <= {0, 1} and rows["run_id"].nunique() == 2
+    assert any(l.startswith("[gpu 0] ") for l in lines) and any(l.startswith("[gpu 1] ") for l in lines)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_dashboard_serves_a_study(lab_env, tmp_path):
+    import optuna
+    db = tmp_path / "optuna.db"
+    study = optuna.create_study(study_name="gemm|sim|tiny", storage=f"sqlite:///{db}")
+    t = study.ask()
+    t.set_user_attr("status", "ok")
+    study.tell(t, 1.0)
+    port = _free_port()
+    p = subprocess.Popen([sys.executable, "-m", "lab", "dashboard", str(db), "--port", str(port)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
+    try:
+        deadline, body = time.time() + 60, None
+        while time.time() < deadline and body is None:
+            try:
+                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/api/studies", timeout=2).read()
+            except OSError:
+                time.sleep(0.5)
+        assert body is not None, "the dashboard never answered"
+        names = [s["study_name"] for s in json.loads(body)["study_summaries"]]
+        assert names == ["gemm|sim|tiny"]
+    finally:
+        p.kill()
+        p.wait()

@@ -1,0 +1,116 @@
+"""Several sweep worker processes on one study. Against PostgreSQL when LAB_TEST_PG_URL names a
+server (.ci/run starts one with scripts/pg_start.sh), else against SQLite in a temporary folder:
+the claims (no config measured twice), a killed worker's trial retried by the others, the confirm
+run once, every row naming its host and GPU."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from lab.results import load
+
+SPACE = '[params]\nMODE = ["ok", "slow"]\nSMEM_KB = [16, 32, 48, 64]\nSPEED = [1, 2, 3]\nESTIMATE_BIAS_KB = [0]\n'
+
+
+@pytest.fixture
+def storage(tmp_path):
+    """A fresh database per test (studies are found by name: a leftover one would be resumed)."""
+    server = os.environ.get("LAB_TEST_PG_URL")
+    if not server:
+        yield f"sqlite:///{tmp_path / 'shared.db'}"
+        return
+    import sqlalchemy as sa
+    name = f"lab_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(server, isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.execute(sa.text(f"CREATE DATABASE {name}"))
+    base, _, query = server.partition("?")
+    yield f"{base.rsplit('/', 1)[0]}/{name}" + (f"?{query}" if query else "")
+    with admin.connect() as c:
+        c.execute(sa.text(f"DROP DATABASE {name} WITH (FORCE)"))
+    admin.dispose()
+
+
+GRACE_S = 5  # a worker silent this long is taken for dead (the kill test; the default is 120 s)
+
+
+def _worker(lab_env, storage, gpu: int, trials: int, delay_s: float, dsls: str = "sim,torch", grace=False,
+            host=None):
+    env = {**os.environ, "LAB_GPU_INDEX": str(gpu), "LAB_HEARTBEAT_S": "1"}
+    if host:
+        env["LAB_HOST"] = host
+    if grace:
+        env["LAB_GRACE_S"] = str(GRACE_S)
+    return subprocess.Popen([sys.executable, "-m", "tests.shared_worker", storage,
+                             str(lab_env.results), str(trials), str(delay_s), dsls], env=env, cwd=lab_env.root,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(procs, timeout_s=240):
+    outs = []
+    for p in procs:
+        out, _ = p.communicate(timeout=timeout_s)
+        assert p.returncode == 0, out[-3000:]
+        outs.append(out)
+    return outs
+
+
+def _sim_study(storage):
+    import optuna
+    names = [s.study_name for s in optuna.get_all_study_summaries(storage) if s.study_name.startswith("gemm|sim|")]
+    assert len(names) == 1, names
+    return optuna.load_study(study_name=names[0], storage=storage)
+
+
+def test_three_workers_share_one_study_without_measuring_a_config_twice(lab_env, storage):
+    (lab_env.sweeps / "gemm" / "sim.toml").write_text(SPACE)
+    outs = _finish([_worker(lab_env, storage, gpu, 12, 0.5) for gpu in range(3)])
+    rows = load(lab_env.results)
+    sweep = rows[rows["phase"] == "sweep"]
+    sim = sweep[sweep["dsl"] == "sim"]
+    assert len(sim) == 12 and sim["config_json"].is_unique, sim["config_json"].value_counts().head()
+    assert len(sweep[sweep["dsl"] == "torch"]) == 1  # its one config, measured by one worker
+    assert sweep["run_id"].nunique() >= 2, "\n".join(outs)  # the work was shared
+    assert set(rows["gpu_index"].dropna().astype(int)) <= {0, 1, 2} and rows["host"].notna().all()
+    confirm = rows[rows["phase"] == "confirm"]
+    assert sorted(confirm["dsl"]) == ["sim", "torch"], "\n".join(outs)[-3000:]  # once, by one worker
+    assert confirm["run_id"].nunique() == 1
+
+
+def test_a_killed_workers_trial_is_retried_and_no_finished_trial_is_lost(lab_env, storage):
+    import optuna
+    (lab_env.sweeps / "gemm" / "sim.toml").write_text(SPACE)
+    # Its trials never finish; on "another machine", so only its silence (the heartbeat) tells it died.
+    victim = _worker(lab_env, storage, 2, 24, 600.0, "sim", grace=True, host="elsewhere")
+    deadline, held = time.time() + 120, None
+    while time.time() < deadline and held is None:
+        time.sleep(0.5)
+        try:
+            running = _sim_study(storage).get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+        except (AssertionError, KeyError, ValueError):
+            continue
+        held = next((t for t in running if t.user_attrs.get("claim") and t.user_attrs.get("pid") == victim.pid), None)
+    assert held is not None, "the victim never held a trial"
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    time.sleep(GRACE_S + 1)  # its heartbeat is stale now: the next workers fail its trial and retry the config
+    _finish([_worker(lab_env, storage, gpu, 24, 0.05, "sim", grace=True) for gpu in range(2)])
+    rows = load(lab_env.results)
+    sim = rows[(rows["phase"] == "sweep") & (rows["dsl"] == "sim")]
+    assert len(sim) == 24 and sim["config_json"].is_unique  # the whole space, each config once
+    assert set(sim["gpu_index"].astype(int)) <= {0, 1} and "elsewhere" not in set(sim["host"])  # the victim: no row
+    study = _sim_study(storage)
+    dead = study.trials[held.number]
+    assert dead.state == optuna.trial.TrialState.FAIL
+    retried = [t for t in study.trials if t.system_attrs.get("failed_trial") == held.number]
+    assert len(retried) == 1 and retried[0].params == held.params
+    assert json.dumps({**held.params}, sort_keys=True) in set(
+        json.dumps({k: v for k, v in json.loads(c).items() if k in held.params}, sort_keys=True)
+        for c in sim["config_json"])
