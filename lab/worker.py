@@ -49,8 +49,22 @@ def _parity_at(problem, run, shape, device, seed, tol, per):
     return ok, errors
 
 
+def parity_shapes(problem, task: dict) -> list[dict]:
+    """The extra shapes a trial is checked at: the task's ``parity_shapes`` if it names them (each
+    validated like any shape), else the problem's own for the timed shape."""
+    if "parity_shapes" not in task:
+        return problem.parity_shapes(task["shape"])
+    for pshape in task["parity_shapes"]:
+        problem.check_shape(pshape)
+    return list(task["parity_shapes"])
+
+
 def run_trial(task: dict) -> dict:
-    """Build, parity-check (timed shape + the problem's extra ragged shapes) and time one config."""
+    """Build, parity-check (timed shape + the problem's extra ragged shapes) and time one config.
+
+    ``task["parity_shapes"]`` (a list of shapes), when present, replaces the problem's own extra
+    shapes: a test picks small ones that cover the same code paths (the interpreter runs each step
+    in Python); sweeps leave it out."""
     from lab import parity, problems, registry, timing
 
     device = task.get("device", "cuda")
@@ -82,7 +96,7 @@ def run_trial(task: dict) -> dict:
         if not ok:
             return {**out, "status": "wrong_result", "error": parity.describe_failure(errors, tol, "timed shape", per)}
         checked = ["timed"]
-        for i, pshape in enumerate(problem.parity_shapes(shape)):
+        for i, pshape in enumerate(parity_shapes(problem, task)):
             if mod.config_reason(config, pshape):
                 continue  # this config does not apply at that shape; the timed shape still counts
             prun = mod.build(config, pshape)

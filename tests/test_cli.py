@@ -77,13 +77,16 @@ def test_list_shows_typed_eligibility(lab_env):
     assert "triton     ok" in p.stdout and "torch      ok" in p.stdout and "sim        ok" in p.stdout
 
 
-def test_preflight_gb10_reports_fit_and_agreement(lab_env):
-    p = lab("preflight", "gemm", "--device", "gb10", "--dsl", "triton", "--compile-limit", "6")
+# Every named shape repeats the same Triton compiles at other sizes (a compile pool each): slow.
+@pytest.mark.parametrize("shapes", [["--shape", "sq4096_bf16"], pytest.param([], marks=pytest.mark.slow)],
+                         ids=["one_shape", "every_shape"])
+def test_preflight_gb10_reports_fit_and_agreement(lab_env, shapes):
+    p = lab("preflight", "gemm", "--device", "gb10", "--dsl", "triton", "--compile-limit", "6", *shapes)
     assert p.returncode == 0, p.stderr
     assert "limit 101,376 B" in p.stdout and "fit by estimate" in p.stdout
     assert "compiled 6 for sm_121a" in p.stdout and "estimate == compiler for 6/6" in p.stdout
     assert "0 on the wrong side of the limit" in p.stdout
-    p = lab("preflight", "gemm", "--device", "gb10", "--dsl", "torch")
+    p = lab("preflight", "gemm", "--device", "gb10", "--dsl", "torch", *shapes)
     assert p.returncode == 0 and "no compile-verified figure" in p.stdout
 
 

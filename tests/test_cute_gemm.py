@@ -25,12 +25,12 @@ _AOT = {
 
 
 @pytest.mark.parametrize("target", ["sm_90a", "sm_121a"])
-def test_aot_smem_matches_estimate(target):
+def test_aot_smem_matches_estimate(target, compiled):
     mismatches = []
     for bm, bn, bk, st, cm, cn, path in _AOT[target]:
         c = cfg(PATH=path, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=st, CLUSTER_M=cm, CLUSTER_N=cn)
         assert gemm.config_reason(c, SQ) is None and gemm.target_reason(c, target) is None, c
-        got = gemm.compile_for(c, SQ, target)
+        got = compiled(gemm, c, SQ, target)
         assert got["smem_bytes"] > 0 and got["compile_s"] > 0 and got["registers"]
         assert got["smem_bytes"] == got["smem_dynamic"] + got["smem_static"]
         assert got["smem_bytes"] <= gemm.SMEM_LIMIT[target]
@@ -40,11 +40,11 @@ def test_aot_smem_matches_estimate(target):
     assert not mismatches, mismatches
 
 
-def test_path_follows_target():
+def test_path_follows_target(compiled):
     """PATH=auto compiles the wgmma kernel for sm_90a and the warp-MMA kernel for sm_121a; the same
     config asks for 64 B more static shared memory on sm_121a (its reserved window)."""
     c = cfg(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, STAGES=2)
-    h, g = gemm.compile_for(c, SQ, "sm_90a"), gemm.compile_for(c, SQ, "sm_121a")
+    h, g = compiled(gemm, c, SQ, "sm_90a"), compiled(gemm, c, SQ, "sm_121a")
     assert "kernel_wgmma" in h["kernel"] and "kernel_mma" in g["kernel"]
     ring = 2 * (128 * 64 + 128 * 64) * 2
     assert h["smem_dynamic"] == g["smem_dynamic"] == 1024 + ring

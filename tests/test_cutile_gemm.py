@@ -30,10 +30,10 @@ _AOT = [cfg(), cfg(BLOCK_M=256, BLOCK_N=128), cfg(BLOCK_N=128, num_worker_warps=
 
 
 @pytest.mark.parametrize("target", ["sm_90a", "sm_121a"])
-def test_aot_smem_within_estimate(target):
+def test_aot_smem_within_estimate(target, compiled):
     limit = {"sm_90a": 232_448, "sm_121a": 101_376}[target]
     for c in _AOT:
-        got = gemm.compile_for(c, SQ, target)
+        got = compiled(gemm, c, SQ, target)
         est = gemm.smem_estimate(c, SQ, target)
         assert got["binary"] == "cubin" and got["compile_s"] > 0
         assert est == limit
@@ -42,17 +42,17 @@ def test_aot_smem_within_estimate(target):
         assert got["registers"] and got["registers"] <= 255
 
 
-def test_targets_give_different_binaries():
+def test_targets_give_different_binaries(compiled):
     """Same config, two targets: sm_121a gets a pipeline sized for 99 KiB, sm_90a for 227 KiB."""
-    h = gemm.compile_for(D, SQ, "sm_90a")
-    g = gemm.compile_for(D, SQ, "sm_121a")
+    h = compiled(gemm, D, SQ, "sm_90a")
+    g = compiled(gemm, D, SQ, "sm_121a")
     assert g["smem_bytes"] <= 101_376 < h["smem_bytes"] <= 232_448
 
 
-def test_hopper_default_has_no_spills():
+def test_hopper_default_has_no_spills(compiled):
     """The default (8 worker warps) compiles for sm_90a to two math warp groups without spilling;
     leaving the warp count to the compiler makes a 128 x 256 tile spill (the sweep rules forbid it)."""
-    good = gemm.compile_for(D, SQ, "sm_90a")
+    good = compiled(gemm, D, SQ, "sm_90a")
     assert good["stack_bytes"] == 0 and good["registers"] <= 168, good
     bad = gemm.compile_for(cfg(num_worker_warps=0), SQ, "sm_90a")
     assert bad["stack_bytes"] > 0, bad

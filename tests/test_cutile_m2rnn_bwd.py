@@ -78,6 +78,11 @@ def test_chain_and_store_compile(target):
     assert 0 < got["smem_bytes"] <= _LIMIT[target] and got["registers"] <= 255, got
     # The occupancy hint of 4 CTAs per SM holds the chain kernel to 128 registers or fewer.
     assert got["kernels"]["backward"]["registers"] <= 128, got
+
+
+# On sm_121a these repeat the store walk compiled for it above, with the H100 winners' knobs: slow.
+@pytest.mark.parametrize("target", ["sm_90a", pytest.param("sm_121a", marks=pytest.mark.slow)])
+def test_h100_store_walk_winners_compile(target):
     # The b4_n44 H100 winner of 2026-11-23 (block-diagonal dW, the chain in 8 pieces): the piece length and
     # the chunk-indexed scratch are compile-time; no spills in the gradient kernel.
     piped = cfg(WALK="store", DZ_STORE=True, SCRATCH="bfloat16", T=4, T_FWD=8, T_G=4, G_SPLIT=16, DW="diag",
@@ -102,6 +107,7 @@ def test_chain_and_store_compile(target):
         assert got["kernels"]["backward"]["stack_bytes"] == got["kernels"]["gradients"]["stack_bytes"] == 0, got
 
 
+@pytest.mark.slow    # pins SASS instruction counts; the compiles above cover the code paths
 def test_fast_tanh_is_mufu():
     """FAST_TANH is real: APPROX lowers to MUFU.TANH (tanh.approx.f32), FULL to a software tanh."""
     import subprocess
@@ -141,6 +147,7 @@ def _sass(config, shape):
     return out
 
 
+@pytest.mark.slow    # pins SASS instruction counts; the compiles above cover the code paths
 def test_chain_z_step_keeps_one_mma_layout():
     """CHAIN_Z is real: at the b8_n84 H100 best of 2026-11-23 (13.92 ms) the chain with Z per step has only
     warpgroup wgmmas (the per-step Z in the serial product's layout), the per-chunk recompute a warp-level
@@ -157,6 +164,7 @@ def test_chain_z_step_keeps_one_mma_layout():
     assert step["forward"].count("STG.E.128") == 16 and "HMMA" in step["forward"]
 
 
+@pytest.mark.slow    # pins SASS instruction counts; the compiles above cover the code paths
 def test_step_mma_batched_is_mma_sync():
     """STEP_MMA is real: at the b8_n84 H100 best of 2026-11-23 (WALK = store) the storing forward and the
     chain hold warpgroup wgmmas (HGMMA) with 2-D serial products and only warp-level HMMA where batched
@@ -415,106 +423,118 @@ def test_schedule3_runs_each_role_once_per_segment_in_order():
         assert sum(p[1] for p in plan) == sum(p[3] for p in plan) == sum(p[5] for p in plan) == S
 
 
-@pytest.mark.parametrize("config,dtype", [(cfg(CKPT=16, T=4, T_FWD=8, WALK="step"), "float32"),
-                                          (cfg(CKPT=16, T=8, T_FWD=4, WALK="step", ROLES="fused"), "float32"),
-                                          (cfg(CKPT=16, T=16, T_FWD=16, WALK="step"), "bfloat16"),
-                                          (cfg(CKPT=16, T=4, T_FWD=8, WALK="chunk"), "float32"),
-                                          (cfg(CKPT=16, T=2, T_FWD=4, WALK="chunk", ROLES="fused"), "float32"),
-                                          (cfg(CKPT=16, T=8, T_FWD=16, WALK="chunk"), "bfloat16"),
-                                          (cfg(CKPT=16, T=2, T_FWD=16, T_RE=16, KV="mma"), "bfloat16"),
-                                          (cfg(CKPT=16, T=4, T_FWD=16, T_RE=16, KV="mma", ROLES="fused"), "bfloat16"),
-                                          # chunks shorter than the 16-step window of the one-hot products
-                                          (cfg(CKPT=32, T=2, T_FWD=8, KV="mma"), "bfloat16"),
-                                          (cfg(CKPT=16, T=4, T_FWD=4, T_RE=8, KV="mma", ROLES="fused"), "bfloat16"),
-                                          # the chain walk: gradient chunks longer than the chain's and the
-                                          # recompute's (rows past S unwritten), split gradient programs
-                                          (cfg(CKPT=16, T=2, T_FWD=8, WALK="chain", T_G=8, G_SPLIT=2), "float32"),
-                                          (cfg(CKPT=16, T=4, T_RE=8, WALK="chain", T_G=4, DZ_STORE=True, G_SPLIT=4),
-                                           "float32"),
-                                          (cfg(CKPT=32, T=2, T_FWD=8, WALK="chain", T_G=16, KV="mma", DZ_STORE=True,
-                                               SCRATCH="bfloat16"), "bfloat16"),
-                                          (cfg(CKPT=16, T=8, T_FWD=16, WALK="chain", T_G=2, SCRATCH="bfloat16"),
-                                           "bfloat16"),
-                                          # every state stored: chunks of the forward, the chain and the
-                                          # gradients all different, more gradient programs than chunks
-                                          (cfg(WALK="store", DZ_STORE=True, T=2, T_FWD=8, T_G=4, G_SPLIT=8),
-                                           "float32"),
-                                          (cfg(WALK="store", DZ_STORE=True, T=4, T_FWD=2, T_G=16, G_SPLIT=2,
-                                               KV="mma", SCRATCH="bfloat16"), "bfloat16"),
-                                          (cfg(WALK="store", T=8, T_FWD=4, T_G=2, G_SPLIT=4), "float32"),
-                                          # dW as block-diagonal products: 4 steps each (two per chunk of 8),
-                                          # 2 (the whole chunk), bf16 scratch operands straight from the load
-                                          (cfg(WALK="store", DZ_STORE=True, T=2, T_FWD=8, T_G=8, G_SPLIT=2,
-                                               DW="diag"), "float32"),
-                                          (cfg(CKPT=16, T=4, WALK="chain", T_G=2, G_SPLIT=2, DW="diag"), "float32"),
-                                          (cfg(WALK="store", T=4, T_FWD=4, T_G=4, G_SPLIT=4, DW="diag",
-                                               SCRATCH="bfloat16"), "bfloat16"),
-                                          # the chain in pieces of 16 steps (the last one shorter when
-                                          # ragged), each piece's gradients after it
-                                          (cfg(WALK="store", DZ_STORE=True, T=4, T_FWD=8, T_G=8, G_SPLIT=2,
-                                               DW="diag", PIPE=2), "float32"),
-                                          (cfg(WALK="store", T=2, T_FWD=4, T_G=4, G_SPLIT=1, PIPE=4,
-                                               SCRATCH="bfloat16"), "bfloat16"),
-                                          # Z stored, the states rebuilt per gradient range from checkpoints:
-                                          # ranges of 16 steps (PL 32 / 2), of 4 in two pieces (PL 16 / 4),
-                                          # bf16 with one-hot k v^T
-                                          (cfg(WALK="store", STORE="z", T=4, T_FWD=8, T_G=4, G_SPLIT=2,
-                                               DW="diag"), "float32"),
-                                          (cfg(WALK="store", STORE="z", T=2, T_FWD=4, T_G=2, G_SPLIT=4, PIPE=2,
-                                               DW="diag"), "float32"),
-                                          (cfg(WALK="store", STORE="z", T=4, T_FWD=16, T_G=8, G_SPLIT=2, KV="mma",
-                                               DW="diag", SCRATCH="bfloat16"), "bfloat16"),
-                                          # one-hot products in the forward only; the chain over both batch
-                                          # rows of a head in one program (dz stored, or from Z)
-                                          (cfg(WALK="store", DZ_STORE=True, T=4, T_FWD=8, T_G=4, G_SPLIT=2,
-                                               KV="fwd", DW="diag", SCRATCH="bfloat16", PIPE=2), "bfloat16"),
-                                          (cfg(WALK="store", DZ_STORE=True, T=2, T_FWD=4, T_G=4, G_SPLIT=4,
-                                               C_ROWS=2, DW="diag", PIPE=2), "float32"),
-                                          (cfg(WALK="store", STORE="z", T=8, T_FWD=4, T_G=4, G_SPLIT=2, C_ROWS=2,
-                                               KV="fwd", DW="diag", SCRATCH="bfloat16"), "bfloat16"),
-                                          # the serial products as a batch of one (forward step, chain, walk)
-                                          (cfg(WALK="store", T=2, T_FWD=8, T_G=4, G_SPLIT=4, DW="diag", PIPE=2,
-                                               STEP_MMA="batched", SCRATCH="bfloat16"), "bfloat16"),
-                                          (cfg(WALK="store", DZ_STORE=True, T=2, T_FWD=4, T_G=4, G_SPLIT=4,
-                                               C_ROWS=2, DW="diag", STEP_MMA="batched"), "float32"),
-                                          (cfg(CKPT=16, T=4, T_FWD=8, WALK="chunk", STEP_MMA="batched"),
-                                           "float32"),
-                                          (cfg(WALK="store", T=4, T_FWD=8, T_G=4, G_SPLIT=2, DW="diag",
-                                               STEP_MMA="fwd"), "float32"),
-                                          # dq in the storing forward or in the chain (the gradient kernel
-                                          # takes none)
-                                          (cfg(WALK="store", T=2, T_FWD=4, T_G=4, G_SPLIT=2, DW="diag", PIPE=2,
-                                               DQ="fwd"), "float32"),
-                                          (cfg(WALK="store", DZ_STORE=True, T=4, T_FWD=8, T_G=2, G_SPLIT=4,
-                                               DW="diag", DQ="fwd", SCRATCH="bfloat16"), "bfloat16"),
-                                          (cfg(WALK="store", T=4, T_FWD=2, T_G=8, G_SPLIT=2, DW="diag", PIPE=2,
-                                               DQ="chain"), "float32"),
-                                          (cfg(WALK="store", T=2, T_FWD=8, T_G=4, G_SPLIT=4, DW="diag", KV="fwd",
-                                               DQ="chain", SCRATCH="bfloat16"), "bfloat16"),
-                                          # the storing forward with one store per step (dq as one-hot
-                                          # products; dz per step too)
-                                          (cfg(WALK="store", T=2, T_FWD=8, T_G=4, G_SPLIT=4, DW="diag", KV="fwd",
-                                               DQ="fwd", FWD_STORE="step", SCRATCH="bfloat16", PIPE=2),
-                                           "bfloat16"),
-                                          (cfg(WALK="store", DZ_STORE=True, T=4, T_FWD=16, T_G=2, G_SPLIT=2,
-                                               DW="diag", DQ="fwd", FWD_STORE="step"), "float32"),
-                                          (cfg(WALK="store", T=2, T_FWD=4, T_G=4, G_SPLIT=2, DW="diag",
-                                               FWD_STORE="step"), "float32"),
-                                          # the chain's Z per step
-                                          (cfg(WALK="store", T=2, T_FWD=16, T_G=4, G_SPLIT=4, DW="diag", KV="fwd",
-                                               DQ="fwd", FWD_STORE="step", CHAIN_Z="step", SCRATCH="bfloat16",
-                                               PIPE=2), "bfloat16"),
-                                          (cfg(WALK="store", T=4, T_FWD=8, T_G=2, G_SPLIT=2, DW="diag",
-                                               CHAIN_Z="step", STEP_MMA="batched"), "float32"),
-                                          # bf16 per-value-head gradient buffers
-                                          (cfg(WALK="store", T=2, T_FWD=8, T_G=4, G_SPLIT=2, DW="diag", KV="fwd",
-                                               DQ="fwd", FWD_STORE="step", CHAIN_Z="step", PARTIALS="bfloat16",
-                                               SCRATCH="bfloat16"), "bfloat16"),
-                                          (cfg(WALK="store", STORE="z", T=2, T_FWD=4, T_G=2, G_SPLIT=4, DW="diag",
-                                               PARTIALS="bfloat16"), "bfloat16")])
-@pytest.mark.parametrize("S", [29, 32])
+_BODY_CONFIGS = [(cfg(CKPT=16, T=4, T_FWD=8, WALK="step"), "float32"),
+                 (cfg(CKPT=16, T=8, T_FWD=4, WALK="step", ROLES="fused"), "float32"),
+                 (cfg(CKPT=16, T=16, T_FWD=16, WALK="step"), "bfloat16"),
+                 (cfg(CKPT=16, T=4, T_FWD=8, WALK="chunk"), "float32"),
+                 (cfg(CKPT=16, T=2, T_FWD=4, WALK="chunk", ROLES="fused"), "float32"),
+                 (cfg(CKPT=16, T=8, T_FWD=16, WALK="chunk"), "bfloat16"),
+                 (cfg(CKPT=16, T=2, T_FWD=16, T_RE=16, KV="mma"), "bfloat16"),
+                 (cfg(CKPT=16, T=4, T_FWD=16, T_RE=16, KV="mma", ROLES="fused"), "bfloat16"),
+                 # chunks shorter than the 16-step window of the one-hot products
+                 (cfg(CKPT=32, T=2, T_FWD=8, KV="mma"), "bfloat16"),
+                 (cfg(CKPT=16, T=4, T_FWD=4, T_RE=8, KV="mma", ROLES="fused"), "bfloat16"),
+                 # the chain walk: gradient chunks longer than the chain's and the
+                 # recompute's (rows past S unwritten), split gradient programs
+                 (cfg(CKPT=16, T=2, T_FWD=8, WALK="chain", T_G=8, G_SPLIT=2), "float32"),
+                 (cfg(CKPT=16, T=4, T_RE=8, WALK="chain", T_G=4, DZ_STORE=True, G_SPLIT=4),
+                  "float32"),
+                 (cfg(CKPT=32, T=2, T_FWD=8, WALK="chain", T_G=16, KV="mma", DZ_STORE=True,
+                      SCRATCH="bfloat16"), "bfloat16"),
+                 (cfg(CKPT=16, T=8, T_FWD=16, WALK="chain", T_G=2, SCRATCH="bfloat16"),
+                  "bfloat16"),
+                 # every state stored: chunks of the forward, the chain and the
+                 # gradients all different, more gradient programs than chunks
+                 (cfg(WALK="store", DZ_STORE=True, T=2, T_FWD=8, T_G=4, G_SPLIT=8),
+                  "float32"),
+                 (cfg(WALK="store", DZ_STORE=True, T=4, T_FWD=2, T_G=16, G_SPLIT=2,
+                      KV="mma", SCRATCH="bfloat16"), "bfloat16"),
+                 (cfg(WALK="store", T=8, T_FWD=4, T_G=2, G_SPLIT=4), "float32"),
+                 # dW as block-diagonal products: 4 steps each (two per chunk of 8),
+                 # 2 (the whole chunk), bf16 scratch operands straight from the load
+                 (cfg(WALK="store", DZ_STORE=True, T=2, T_FWD=8, T_G=8, G_SPLIT=2,
+                      DW="diag"), "float32"),
+                 (cfg(CKPT=16, T=4, WALK="chain", T_G=2, G_SPLIT=2, DW="diag"), "float32"),
+                 (cfg(WALK="store", T=4, T_FWD=4, T_G=4, G_SPLIT=4, DW="diag",
+                      SCRATCH="bfloat16"), "bfloat16"),
+                 # the chain in pieces of 16 steps (the last one shorter when
+                 # ragged), each piece's gradients after it
+                 (cfg(WALK="store", DZ_STORE=True, T=4, T_FWD=8, T_G=8, G_SPLIT=2,
+                      DW="diag", PIPE=2), "float32"),
+                 (cfg(WALK="store", T=2, T_FWD=4, T_G=4, G_SPLIT=1, PIPE=4,
+                      SCRATCH="bfloat16"), "bfloat16"),
+                 # Z stored, the states rebuilt per gradient range from checkpoints:
+                 # ranges of 16 steps (PL 32 / 2), of 4 in two pieces (PL 16 / 4),
+                 # bf16 with one-hot k v^T
+                 (cfg(WALK="store", STORE="z", T=4, T_FWD=8, T_G=4, G_SPLIT=2,
+                      DW="diag"), "float32"),
+                 (cfg(WALK="store", STORE="z", T=2, T_FWD=4, T_G=2, G_SPLIT=4, PIPE=2,
+                      DW="diag"), "float32"),
+                 (cfg(WALK="store", STORE="z", T=4, T_FWD=16, T_G=8, G_SPLIT=2, KV="mma",
+                      DW="diag", SCRATCH="bfloat16"), "bfloat16"),
+                 # one-hot products in the forward only; the chain over both batch
+                 # rows of a head in one program (dz stored, or from Z)
+                 (cfg(WALK="store", DZ_STORE=True, T=4, T_FWD=8, T_G=4, G_SPLIT=2,
+                      KV="fwd", DW="diag", SCRATCH="bfloat16", PIPE=2), "bfloat16"),
+                 (cfg(WALK="store", DZ_STORE=True, T=2, T_FWD=4, T_G=4, G_SPLIT=4,
+                      C_ROWS=2, DW="diag", PIPE=2), "float32"),
+                 (cfg(WALK="store", STORE="z", T=8, T_FWD=4, T_G=4, G_SPLIT=2, C_ROWS=2,
+                      KV="fwd", DW="diag", SCRATCH="bfloat16"), "bfloat16"),
+                 # the serial products as a batch of one (forward step, chain, walk)
+                 (cfg(WALK="store", T=2, T_FWD=8, T_G=4, G_SPLIT=4, DW="diag", PIPE=2,
+                      STEP_MMA="batched", SCRATCH="bfloat16"), "bfloat16"),
+                 (cfg(WALK="store", DZ_STORE=True, T=2, T_FWD=4, T_G=4, G_SPLIT=4,
+                      C_ROWS=2, DW="diag", STEP_MMA="batched"), "float32"),
+                 (cfg(CKPT=16, T=4, T_FWD=8, WALK="chunk", STEP_MMA="batched"),
+                  "float32"),
+                 (cfg(WALK="store", T=4, T_FWD=8, T_G=4, G_SPLIT=2, DW="diag",
+                      STEP_MMA="fwd"), "float32"),
+                 # dq in the storing forward or in the chain (the gradient kernel
+                 # takes none)
+                 (cfg(WALK="store", T=2, T_FWD=4, T_G=4, G_SPLIT=2, DW="diag", PIPE=2,
+                      DQ="fwd"), "float32"),
+                 (cfg(WALK="store", DZ_STORE=True, T=4, T_FWD=8, T_G=2, G_SPLIT=4,
+                      DW="diag", DQ="fwd", SCRATCH="bfloat16"), "bfloat16"),
+                 (cfg(WALK="store", T=4, T_FWD=2, T_G=8, G_SPLIT=2, DW="diag", PIPE=2,
+                      DQ="chain"), "float32"),
+                 (cfg(WALK="store", T=2, T_FWD=8, T_G=4, G_SPLIT=4, DW="diag", KV="fwd",
+                      DQ="chain", SCRATCH="bfloat16"), "bfloat16"),
+                 # the storing forward with one store per step (dq as one-hot
+                 # products; dz per step too)
+                 (cfg(WALK="store", T=2, T_FWD=8, T_G=4, G_SPLIT=4, DW="diag", KV="fwd",
+                      DQ="fwd", FWD_STORE="step", SCRATCH="bfloat16", PIPE=2),
+                  "bfloat16"),
+                 (cfg(WALK="store", DZ_STORE=True, T=4, T_FWD=16, T_G=2, G_SPLIT=2,
+                      DW="diag", DQ="fwd", FWD_STORE="step"), "float32"),
+                 (cfg(WALK="store", T=2, T_FWD=4, T_G=4, G_SPLIT=2, DW="diag",
+                      FWD_STORE="step"), "float32"),
+                 # the chain's Z per step
+                 (cfg(WALK="store", T=2, T_FWD=16, T_G=4, G_SPLIT=4, DW="diag", KV="fwd",
+                      DQ="fwd", FWD_STORE="step", CHAIN_Z="step", SCRATCH="bfloat16",
+                      PIPE=2), "bfloat16"),
+                 (cfg(WALK="store", T=4, T_FWD=8, T_G=2, G_SPLIT=2, DW="diag",
+                      CHAIN_Z="step", STEP_MMA="batched"), "float32"),
+                 # bf16 per-value-head gradient buffers
+                 (cfg(WALK="store", T=2, T_FWD=8, T_G=4, G_SPLIT=2, DW="diag", KV="fwd",
+                      DQ="fwd", FWD_STORE="step", CHAIN_Z="step", PARTIALS="bfloat16",
+                      SCRATCH="bfloat16"), "bfloat16"),
+                 (cfg(WALK="store", STORE="z", T=2, T_FWD=4, T_G=2, G_SPLIT=4, DW="diag",
+                      PARTIALS="bfloat16"), "bfloat16")]
+
+
+def _body_cases():
+    """S = 29: ragged (not a multiple of T or CKPT), rows past S masked; S = 32: every chunk full, no mask.
+    The chain and store walks take their unmasked branches at S = 32 (the RAG constant false); the step
+    and chunk walks have no such constant, so at S = 32 they run the code S = 29 runs: those are slow."""
+    for S in (29, 32):
+        for i, (config, dtype) in enumerate(_BODY_CONFIGS):
+            same_code = S == 32 and config["WALK"] not in ("chain", "store")
+            yield pytest.param(config, dtype, S, id=f"{S}-config{i}-{dtype}",
+                               marks=[pytest.mark.slow] if same_code else [])
+
+
+@pytest.mark.parametrize("config,dtype,S", list(_body_cases()))
 def test_kernel_bodies_match_bptt(config, dtype, S, tile_methods):
-    # S = 29: ragged (not a multiple of T or CKPT), rows past S masked; S = 32: every chunk full, no mask.
     if config["WALK"] in ("chain", "store"):
         assert lane._ragged({**D, **config}, _bodies_shape(S, dtype)) == (S == 29)
     _check_bodies(config, _bodies_shape(S, dtype))

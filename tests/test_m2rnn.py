@@ -1,6 +1,6 @@
 """M2RNN on the CPU: the explicit BPTT (torch lane) equals autograd through the sequential forward at
 fp64 round-off; shape rules; the Triton forward and backward under TRITON_INTERPRET=1 through the
-harness's parity path (timed shape and the ragged S=977 parity shape); ahead-of-time compiles for
+harness's parity path (a timed shape and small parity shapes chosen per case); ahead-of-time compiles for
 sm_90a and sm_121a; parity fails on a wrong gradient."""
 from __future__ import annotations
 
@@ -92,23 +92,45 @@ _INTERPRET = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     from lab.worker import execute
     out = []
-    for kernel, shape, cfg in json.loads(sys.argv[2]):
+    for kernel, shape, cfg, parity_shapes in json.loads(sys.argv[2]):
         r = execute({"kind": "trial", "kernel": kernel, "dsl": "triton", "config": cfg, "shape": shape,
-                     "seed": 2, "device": "cpu", "no_timing": True})
+                     "parity_shapes": parity_shapes, "seed": 2, "device": "cpu", "no_timing": True})
         out.append({k: r.get(k) for k in ("status", "error", "parity_rel_l2", "parity_shapes")})
     print("RESULT " + json.dumps(out))
 """)
 
 
+def _small(**kw):
+    """One batch row and two value heads: the interpreter runs every (program, step) in Python, so the
+    longer parity shapes below keep the grid small (SMALL, the timed shape, has B = 2, N = 4)."""
+    return {**SMALL, "B": 1, "N": 2, "Nq": 2, "Nk": 1, "Nw": 1, "Nf": 2, "h0": False, **kw}
+
+
 def test_triton_interpreter_parity_forward_and_backward():
-    """fp32 through the harness (timed shape + the ragged S=977 parity shape); the fast tanh is replaced
-    by the exact formula in interpreter mode, K split, prefetch groups and checkpoint intervals that do not
-divide S."""
-    cases = [("m2rnn_fwd", SMALL, {"num_warps": 4, "K_SPLIT": 1, "FAST_TANH": True, "PREFETCH": 8}),
-             ("m2rnn_fwd", SMALL, {"num_warps": 4, "K_SPLIT": 2, "DOT": "input", "FAST_TANH": False, "PREFETCH": 1}),
-             ("m2rnn_bwd", SMALL, {"num_warps": 4, "CKPT": 5, "FAST_TANH": True, "PREFETCH": 2, "K_SPLIT": 2}),
-             ("m2rnn_bwd", {**SMALL, "h0": False}, {"num_warps": 4, "CKPT": 64, "DOT": "tf32", "FAST_TANH": False,
-                                                 "PREFETCH": 8})]
+    """fp32 through the harness's parity path (timed shape SMALL + the parity shapes each case names in
+    place of the problem's S = 977 one, which would take the interpreter ~10 minutes); the fast tanh is
+    replaced by the exact formula in interpreter mode. Together the shapes cover the loops' paths: PREFETCH
+    groups with and without a ragged tail and S shorter than one group, K split (rows past K masked),
+    checkpoint segments that are full, ragged, shorter than a group or a single step, with and without
+    an initial state, and q / k / W / f heads shared by all, some (Nk = 2 of 4) or none of the value heads."""
+    cases = [
+        # SMALL: one prefetched group of 8 then a 5-step tail; S = 16: two groups, no tail (W shared, no
+        # h0); S = 5: no full group, the tail alone.
+        ("m2rnn_fwd", SMALL, {"num_warps": 4, "K_SPLIT": 1, "FAST_TANH": True, "PREFETCH": 8},
+         [_small(S=16), _small(S=5)]),
+        # K split in two 16-row slabs of K = 20 (y summed over slabs), one step per group; again without h0.
+        ("m2rnn_fwd", SMALL, {"num_warps": 4, "K_SPLIT": 2, "DOT": "input", "FAST_TANH": False, "PREFETCH": 1},
+         [_small(S=3)]),
+        # CKPT 5 at SMALL: segments 5, 5, 3 (walked with a 1-step tail after groups of 2); S = 11: a last
+        # segment of one step; S = 10: CKPT divides S.
+        ("m2rnn_bwd", SMALL, {"num_warps": 4, "CKPT": 5, "FAST_TANH": True, "PREFETCH": 2, "K_SPLIT": 2},
+         [_small(S=11), _small(S=10)]),
+        # CKPT 64 at S = 13: one segment shorter than CKPT, no h0; S = 67: a full 64-step segment (a
+        # multiple of the group of 8: no tail) then one of 3 steps (shorter than a group), with h0.
+        ("m2rnn_bwd", {**SMALL, "h0": False},
+         {"num_warps": 4, "CKPT": 64, "DOT": "tf32", "FAST_TANH": False, "PREFETCH": 8},
+         [_small(S=67, h0=True, Nq=1, Nw=2, Nf=1)]),
+    ]
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     p = subprocess.run([sys.executable, "-c", _INTERPRET, ROOT, json.dumps(cases)], env=env,
                        capture_output=True, text=True, timeout=1800)
@@ -117,6 +139,18 @@ divide S."""
     for case, r in zip(cases, json.loads(line[0][7:])):
         assert r["status"] == "ok", (case, r)
         assert r["parity_rel_l2"] < 1e-5, (case, r)
+        assert len(r["parity_shapes"]) == 1 + len(case[3]), (case, r)     # none skipped by the config's rules
+
+
+def test_a_task_chooses_its_parity_shapes():
+    """The worker checks the problem's own parity shapes unless the task names others (validated)."""
+    from lab.worker import parity_shapes
+    p = get("m2rnn_fwd")
+    assert parity_shapes(p, {"shape": SMALL}) == p.parity_shapes(SMALL)
+    assert parity_shapes(p, {"shape": SMALL, "parity_shapes": [_small(S=5)]}) == [_small(S=5)]
+    assert parity_shapes(p, {"shape": SMALL, "parity_shapes": []}) == []
+    with pytest.raises(LabError, match="must divide N"):
+        parity_shapes(p, {"shape": SMALL, "parity_shapes": [_small(Nq=3)]})
 
 
 @pytest.mark.parametrize("target", ["sm_90a", "sm_121a"])

@@ -24,6 +24,7 @@ def _src(config, shape, target):
     return _lower({**D, **config}, shape, target).kernel_source
 
 
+@pytest.mark.slow    # pins the generated CUDA text; the compiles below cover the code paths
 def test_sm90a_lowers_to_wgmma_tma_warp_specialized():
     src = _src({}, SQ, "sm_90a")
     assert "wgmma" in src and "tl::tma_load" in src and "tma_store" in src
@@ -37,6 +38,7 @@ def test_sm90a_lowers_to_wgmma_tma_warp_specialized():
     assert "rasterization2D" not in _src({"panel_size": 0}, SQ, "sm_90a")
 
 
+@pytest.mark.slow    # pins the generated CUDA text; the compiles below cover the code paths
 def test_sm121a_uses_mma_sync_not_wgmma():
     src = _src({"block_N": 128, "num_stages": 2}, SQ, "sm_121a")
     assert "mma_sync" in src and "wgmma" not in src

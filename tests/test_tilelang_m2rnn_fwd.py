@@ -40,6 +40,7 @@ def _step_loop(src: str) -> str:
     raise AssertionError("no step loop found")
 
 
+@pytest.mark.slow    # pins the generated CUDA text; the compiles below cover the code paths
 @pytest.mark.parametrize("target,config,n_mma", [
     ("sm_90a", {}, 2),
     ("sm_121a", {"threads": 32, "K_SPLIT": 4}, 2),
@@ -64,6 +65,7 @@ def test_serial_chain_has_no_barrier_or_shared_round_trip(target, config, n_mma)
     assert "tl::cp_async_wait<3>()" in src and "cp_async_gs_conditional<16>" in src
 
 
+@pytest.mark.slow    # pins the generated CUDA text; the compiles below cover the code paths
 def test_wgmma_and_stages_options():
     src = lane.lower({"WGMMA": True, "STAGES": 3}, SHAPES["b2_n8"], "sm_90a").kernel_source
     body = _step_loop(src)

@@ -48,7 +48,14 @@ def _lowered_smem(config: dict, shape: dict, target: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("name", NAMED)
+# The shapes whose fitting config is the first candidate at sizes another such shape already checks
+# (anchor_b2 is gb10's N, P, R, C; the three grid shapes vary them around h100_tuned's): slow. The others
+# take their own candidate (global tables, 128 threads) or options, or are the sweep's default shapes.
+_EXTRA_SHAPES = ("anchor_b2", "grid_n32_p64_r4_c16", "grid_n128_p64_r8_c8", "grid_n128_p64_r2_c32")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in _EXTRA_SHAPES else n
+                                  for n in NAMED])
 def test_every_named_shape_fits_gb10_and_estimate_equals_compiler(name):
     """Issue 20: on GB10 (sm_121a) every named shape has a config within 101,376 B, and the preflight
     estimate of both big kernels is the byte count TileLang's lowering gives them."""
@@ -62,12 +69,16 @@ def test_every_named_shape_fits_gb10_and_estimate_equals_compiler(name):
         assert est == got[kernel], (kernel, est, got)
 
 
-@pytest.mark.parametrize("target", ["sm_90a", "sm_121a"])
-@pytest.mark.parametrize("shape_name,config", [
+_GLOBAL_TABLES = ("grid_n128_p64_r1_c64", {**LEAN, "global_tables": True})
+_PIECES = ("gb10", {"chunk_form": "classic", "pieces": 4, "min_blocks": 2, "scan_block_P": 16})
+
+
+# Each variant compiles for one target in the default run (both targets are covered); the other is slow.
+@pytest.mark.parametrize("target,shape_name,config", [
     # global_tables: the C*R = 64, N = 128 shapes fit GB10 only with the tables read from global memory.
-    ("grid_n128_p64_r1_c64", {**LEAN, "global_tables": True}),
+    ("sm_121a", *_GLOBAL_TABLES), pytest.param("sm_90a", *_GLOBAL_TABLES, marks=pytest.mark.slow),
     # pieces: the scan on a side stream in ranges of chunks, the chunk kernel taking c_lo.
-    ("gb10", {"chunk_form": "classic", "pieces": 4, "min_blocks": 2, "scan_block_P": 16}),
+    ("sm_90a", *_PIECES), pytest.param("sm_121a", *_PIECES, marks=pytest.mark.slow),
 ])
 def test_new_variants_compile_to_cubins(target, shape_name, config):
     shape = space.get_shape("mamba_bwd_bwd", shape_name)
@@ -126,14 +137,17 @@ def test_scan_with_the_aggressive_merge_is_a_hazard_and_refused():
     assert smem_plan.alias_hazards(program, own.kernel_source) == []
 
 
+# The harness's parity shape of each case keeps its N, P, R, C and options (only B, S, H shrink): the
+# same programs at the GB10 sizes are slow.
+@pytest.mark.parametrize("at_parity_shape", [True, pytest.param(False, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case", [{"R": 1, "C": 64}, {"R": 8, "C": 8}, {"G": 2, "rd": 2, "hasZ": False,
                                                                       "hasD": False, "reduceO": False}])
-def test_options_ranks_and_parity_shapes_lower(case):
+def test_options_ranks_and_parity_shapes_lower(case, at_parity_shape):
     """Every option and rank lowers, and so does the harness's small parity shape of each (three
     chunks, odd head count: a fragment reduction over nc = 3 once failed to lower there)."""
     from lab.problems import get
     shape = {**GB10, **case}
-    for sh in [shape] + get("mamba_bwd_bwd").parity_shapes(shape):
+    for sh in get("mamba_bwd_bwd").parity_shapes(shape) if at_parity_shape else [shape]:
         for name, prog in lane._PROGRAMS.items():
             art = tl.lower(prog(D, sh), "sm_90a", lane._pass_configs(D, name))
             assert "__global__" in art.kernel_source, name
@@ -186,18 +200,32 @@ def test_target_rules_and_eligibility():
     assert "tl.enable_aggressive_shared_memory_merge" not in scan and scan["tl.disable_tma_lower"]
 
 
-def test_cli_preflight_lists_configs_that_fit_gb10(lab_env):
+# The default run preflights a space of the two chunk forms x lean_smem x global_tables (the other tunables
+# at their defaults); the sweep file's whole space (20,006 configs sampled, 180 distinct programs planned
+# for the estimate, minutes on two cores) is slow.
+_SMALL_SPACE = """[params]
+chunk_form = ["classic", "rotated"]
+lean_smem = [false, true]
+global_tables = [false, true]
+"""
+
+
+@pytest.mark.parametrize("whole_space", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_cli_preflight_lists_configs_that_fit_gb10(lab_env, whole_space):
     """`python -m lab preflight mamba_bwd_bwd --device gb10` per named shape: compiled for sm_121a,
     each compiled config listed as fits / over with its bytes; the estimate agrees with the compiler."""
     import subprocess
     import sys
+    if not whole_space:
+        (lab_env.sweeps / "mamba_bwd_bwd" / "tilelang.toml").write_text(_SMALL_SPACE)
+    n = 2 if whole_space else 1      # the second compile goes through the --jobs pool (test_cli.py covers it)
     p = subprocess.run([sys.executable, "-m", "lab", "preflight", "mamba_bwd_bwd", "--device", "gb10",
-                        "--dsl", "tilelang", "--shape", "gb10", "--compile-limit", "2", "--jobs", "2"],
+                        "--dsl", "tilelang", "--shape", "gb10", "--compile-limit", str(n), "--jobs", "2"],
                        capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parent.parent)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert "shape gb10" in p.stdout and "limit 101,376 B" in p.stdout and "compiled 2 for sm_121a" in p.stdout
+    assert "shape gb10" in p.stdout and "limit 101,376 B" in p.stdout and f"compiled {n} for sm_121a" in p.stdout
     listed = [ln for ln in p.stdout.splitlines() if ln.strip().startswith(("fits ", "over ", "error "))]
-    assert len(listed) == 2 and all("B compiled" in ln for ln in listed if not ln.strip().startswith("error"))
+    assert len(listed) == n and all("B compiled" in ln for ln in listed if not ln.strip().startswith("error"))
     assert "0 on the wrong side of the limit" in p.stdout, p.stdout
     # Every DSL is accounted for: the ones without this kernel say so in a typed line.
     p = subprocess.run([sys.executable, "-m", "lab", "list", "mamba_bwd_bwd", "--device", "gb10"],

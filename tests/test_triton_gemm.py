@@ -64,9 +64,16 @@ _AOT = [(bm, bn, bk, st, w, load)
         for load in ("ptr", "tma", "tma_persistent")]
 
 
+def _target_cache(monkeypatch, session_cache, target):
+    """Triton's cache for ``target`` shared by this session's tests (the lane's own per-target folder)."""
+    from kernels.triton import gemm
+    for name, value in gemm.cache_env(session_cache / "dsl" / "triton" / target, target).items():
+        monkeypatch.setenv(name, value)
+
+
 @pytest.mark.parametrize("target", ["sm_90a", "sm_121a"])
-def test_aot_smem_matches_estimate(target, tmp_path, monkeypatch):
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+def test_aot_smem_matches_estimate(target, monkeypatch, session_cache):
+    _target_cache(monkeypatch, session_cache, target)
     from kernels.triton import gemm
     shape = {"M": 4096, "N": 4096, "K": 4096, "dtype": "bfloat16"}
     mismatches = []
@@ -80,12 +87,15 @@ def test_aot_smem_matches_estimate(target, tmp_path, monkeypatch):
     assert not mismatches, mismatches
 
 
-def test_aot_sm121a_differs_from_sm90a():
+def test_aot_sm121a_differs_from_sm90a(monkeypatch, session_cache):
     """The same config asks for less shared memory on sm_121a (one stage fewer): targets matter."""
     from kernels.triton import gemm
     shape = {"M": 4096, "N": 4096, "K": 4096, "dtype": "bfloat16"}
     cfg = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3, "LOAD": "tma"}
-    h, g = gemm.compile_for(cfg, shape, "sm_90a")["smem_bytes"], gemm.compile_for(cfg, shape, "sm_121a")["smem_bytes"]
+    _target_cache(monkeypatch, session_cache, "sm_90a")
+    h = gemm.compile_for(cfg, shape, "sm_90a")["smem_bytes"]
+    _target_cache(monkeypatch, session_cache, "sm_121a")
+    g = gemm.compile_for(cfg, shape, "sm_121a")["smem_bytes"]
     assert h == 3 * (128 * 64 + 64 * 256) * 2 + 24
     assert g == 2 * (128 * 64 + 64 * 256) * 2 + 16 and g <= 101_376 < h
 
