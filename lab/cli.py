@@ -104,6 +104,13 @@ def cmd_sweep(args) -> int:
     for n in args.shape or []:
         if n not in shapes:
             raise LabError(f"unknown shape {n!r} for {args.kernel} (known: {', '.join(shapes)})")
+    if args.precision:
+        tuned = [lane for lane in (registry.lanes_for(args.kernel) if dsls is None else
+                                   [registry.get(d, args.kernel) for d in dsls]) if not sweep._safe_baseline(lane)]
+        lacking = [lane.dsl for lane in tuned if args.precision not in space.precisions(args.kernel, lane.dsl)]
+        if lacking:
+            raise LabError(f"--precision {args.precision}: no [precision.{args.precision}] in the sweep file of "
+                           f"{', '.join(lacking)} ({args.kernel}); name the DSLs that declare it with --dsl")
     if args.gpus:
         from lab import multi
         import torch
@@ -116,7 +123,8 @@ def cmd_sweep(args) -> int:
         timeout_s=args.timeout, sampler=args.sampler, seed=args.seed, storage=args.storage, emulate=args.emulate,
         compile_only=args.compile_only, results_dir=Path(args.results), prefetch=args.prefetch,
         compile_workers=args.compile_workers,
-        baseline=not args.no_baseline, confirm=not args.no_confirm, progress=not args.no_progress)
+        baseline=not args.no_baseline, confirm=not args.no_confirm, progress=not args.no_progress,
+        precision=args.precision)
     sw, summary = sweep.run(req, detect())
     print(f"results: {sw.writer.path} ({len(sw.writer.rows)} rows)")
     return 0
@@ -193,6 +201,13 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_prune(args) -> int:
+    from lab import prune, registry, results
+    dsls = [l.dsl for l in registry.lanes_for(args.kernel)] if args.dsl == "all" else args.dsl.split(",")
+    print(prune.report(results.load(args.results), args.kernel, dsls, args.within))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lab", description="GPU kernel lab: sweep, check and compare kernels across DSLs")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -238,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-confirm", action="store_true", help="skip the A/B re-timing of the best configs")
     s.add_argument("--no-progress", action="store_true")
     s.add_argument("--gpus", help="all, or a comma list of GPU indices: one worker per GPU on the same study")
+    s.add_argument("--precision", help="fix the sweep files' [precision.NAME] table (e.g. exact: IEEE products, "
+                   "exact tanh) in every trial; default: the lanes' defaults")
     s.set_defaults(fn=cmd_sweep)
 
     s = sub.add_parser("dashboard", help="optuna-dashboard on a study storage (trial status, error, parity, SMEM)")
@@ -282,6 +299,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--results", default="results")
     s.add_argument("--out", default="results/tuned")
     s.set_defaults(fn=cmd_export)
+
+    s = sub.add_parser("prune", help="knob values of the sweep files that no committed result supports (no GPU)")
+    s.add_argument("kernel")
+    s.add_argument("--dsl", default="all", help="a DSL, a comma list, or all")
+    s.add_argument("--within", type=float, default=0.05, help="a value is supported within this fraction of the lane's best")
+    s.add_argument("--results", default="results")
+    s.set_defaults(fn=cmd_prune)
 
     s = sub.add_parser("report", help="markdown summary and PNG plots of result tables")
     s.add_argument("path", nargs="?", default="results")

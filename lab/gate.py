@@ -146,12 +146,14 @@ def version_changes(versions: dict, pins: dict[str, str]) -> list[str]:
 
 
 def ok_rows(df: pd.DataFrame) -> pd.DataFrame:
-    """Measured, parity-checked rows (compile-only and failed trials excluded, and the gate's re-runs
-    of previous code, phase gate_previous)."""
+    """Measured, parity-checked rows at the lab's default precision (compile-only and failed trials
+    excluded, and the gate's re-runs of previous code, phase gate_previous; runs with --precision are
+    studies of their own, not what a lane ships)."""
     if df.empty:
         return df
+    precision = df["precision"].fillna("") if "precision" in df else ""
     keep = (df["status"] == "ok") & ~df["compile_only"].fillna(False).astype(bool) & df["time_ms"].notna() \
-        & (df["phase"] != "gate_previous")
+        & (df["phase"] != "gate_previous") & (precision == "")
     return df[keep]
 
 

@@ -37,6 +37,7 @@ COLUMNS = {
     "sm_clock_start_mhz": "float", "sm_clock_end_mhz": "float", "clock_drift": "bool",
     "versions_json": "str", "seed": "int", "sampler": "str", "study": "str",
     "host": "str", "gpu_index": "float",  # the machine and GPU (index on it) that measured the row
+    "precision": "str",  # the sweep file's [precision.NAME] table the run fixed ("" = the lane's defaults)
 }
 
 

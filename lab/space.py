@@ -17,10 +17,18 @@
     rules = ["BLOCK_M * BLOCK_N <= 128 * 256"]
     [[seed]]                                 # optional: configs a new study tries first
     BLOCK_M = 128
+    [precision.exact]                        # optional: a run option (`sweep --precision exact`), not a
+    FAST_TANH = false                        # knob: these tunables take these values in every trial of the
+                                             # run; without --precision they take the lane's DEFAULTS
+
+A precision choice (an approximate tanh, tf32 products) is never a tuning axis: the tuner would always
+resolve it to the least exact value. So such tunables stay out of [params]: a run uses the lane's
+defaults, or one named [precision.NAME] table for all its trials.
 """
 from __future__ import annotations
 
 import ast
+import hashlib
 import itertools
 import json
 import os
@@ -70,6 +78,7 @@ class Space:
     rules: list[str] = field(default_factory=list)
     source: str = ""
     seeds: list[dict] = field(default_factory=list)  # configs tried first in a new study
+    fixed_names: tuple = ()  # tunables a rule may name that are not params (precision keys: lane defaults)
 
     def __post_init__(self):
         self._compiled = []
@@ -83,12 +92,20 @@ class Space:
                     raise LabError(f"restriction {rule!r} in {self.source} uses {type(node).__name__}")
                 if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name) and node.func.id in _FUNCS):
                     raise LabError(f"restriction {rule!r} in {self.source} calls a function other than min/max/abs")
-                if isinstance(node, ast.Name) and node.id not in self.params and node.id not in _FUNCS:
+                if isinstance(node, ast.Name) and node.id not in self.params and node.id not in _FUNCS \
+                        and node.id not in self.fixed_names:
                     raise LabError(f"restriction {rule!r} in {self.source} names unknown param {node.id!r}")
             self._compiled.append((rule, compile(tree, self.source or "<rule>", "eval")))
 
     def __reduce__(self):  # compiled rules are code objects: rebuild them in the receiving process
-        return (Space, (self.params, self.rules, self.source, self.seeds))
+        return (Space, (self.params, self.rules, self.source, self.seeds, self.fixed_names))
+
+    @property
+    def tag(self) -> str:
+        """6 hex digits of the space (params and rules): part of a study's name, because Optuna cannot
+        resume a study whose categorical choices changed (a pruned or widened sweep file)."""
+        text = json.dumps([self.params, self.rules], sort_keys=True)
+        return hashlib.sha1(text.encode()).hexdigest()[:6]
 
     def rule_reason(self, config: dict) -> str | None:
         """The first restriction ``config`` breaks, or None."""
@@ -138,7 +155,18 @@ class Space:
         return out, False
 
 
-def load_space(kernel: str, dsl: str, tunables: tuple[str, ...]) -> Space:
+def precisions(kernel: str, dsl: str) -> dict[str, dict]:
+    """The sweep file's [precision.NAME] tables: NAME -> {tunable: value}."""
+    path = sweeps_dir() / kernel / f"{dsl}.toml"
+    tables = _read_toml(path).get("precision", {})
+    if not isinstance(tables, dict) or not all(isinstance(t, dict) and t for t in tables.values()):
+        raise LabError(f"malformed sweep file {path}: [precision.NAME] entries must be non-empty tables")
+    return tables
+
+
+def load_space(kernel: str, dsl: str, tunables: tuple[str, ...], precision: str | None = None) -> Space:
+    """The search space of ``sweeps/<kernel>/<dsl>.toml``; with ``precision``, its [precision.NAME]
+    table's values fixed in every config (each becomes a one-value param)."""
     path = sweeps_dir() / kernel / f"{dsl}.toml"
     data = _read_toml(path)
     params = data.get("params", {})
@@ -154,7 +182,7 @@ def load_space(kernel: str, dsl: str, tunables: tuple[str, ...]) -> Space:
     rules = data.get("restrictions", {}).get("rules", [])
     if not isinstance(rules, list) or not all(isinstance(r, str) for r in rules):
         raise LabError(f"malformed sweep file {path}: restrictions.rules must be a list of strings")
-    unknown = set(data) - {"params", "restrictions", "seed"}
+    unknown = set(data) - {"params", "restrictions", "seed", "precision"}
     if unknown:
         raise LabError(f"malformed sweep file {path}: unknown section(s) {', '.join(sorted(unknown))}")
     seeds = data.get("seed", [])
@@ -168,7 +196,21 @@ def load_space(kernel: str, dsl: str, tunables: tuple[str, ...]) -> Space:
                 raise LabError(f"malformed sweep file {path}: seed value {k}={v!r} is not in params.{k}")
         if set(s) != set(params):
             raise LabError(f"malformed sweep file {path}: a [[seed]] must set every param ({', '.join(params)})")
-    return Space(params, rules, str(path), seeds)
+    tables = precisions(kernel, dsl)
+    for name, table in tables.items():
+        for k in table:
+            if k not in tunables:
+                raise LabError(f"unknown config key {k!r} in [precision.{name}] of {path}")
+            if k in params and table[k] not in params[k]:
+                raise LabError(f"malformed sweep file {path}: [precision.{name}] {k}={table[k]!r} is not in params.{k}")
+    if precision is not None:
+        if precision not in tables:
+            raise LabError(f"{path} declares no [precision.{precision}] (declared: {', '.join(tables) or 'none'})")
+        fixed = {k: [v] for k, v in tables[precision].items()}
+        params = {**params, **fixed}
+        seeds = [{**s, **{k: v[0] for k, v in fixed.items()}} for s in seeds]
+    fixed_names = tuple(sorted({k for t in tables.values() for k in t}))
+    return Space(params, rules, str(path), seeds, fixed_names)
 
 
 def load_shapes(kernel: str) -> tuple[dict[str, dict], list[str]]:

@@ -90,6 +90,7 @@ class SweepRequest:
     timing: dict = field(default_factory=dict)  # overrides for lab.timing.bench
     confirm_timing: dict = field(default_factory=dict)  # overrides for the A/B confirm
     seeds: dict = field(default_factory=dict)  # {(dsl, shape name): [config, ...]} tried first, before the sweep file's
+    precision: str | None = None           # a [precision.NAME] table of the sweep files fixed in every trial
 
 
 def _sampler(name: str, seed: int):
@@ -260,7 +261,12 @@ class Sweep:
             "versions_json": json.dumps(versions or {}, sort_keys=True), "seed": self.req.seed,
             "sampler": self.req.sampler, "study": study,
             "host": self.worker["host"], "gpu_index": self.worker["gpu_index"],
+            "precision": self._precision(lane) or "",
         }
+
+    def _precision(self, lane) -> str | None:
+        """The run's --precision for a tuned lane; the baseline (a library or reference) has none."""
+        return None if _safe_baseline(lane) else self.req.precision
 
     # -- main loop --------------------------------------------------------------------------------
     def run(self) -> list[dict]:
@@ -308,12 +314,12 @@ class Sweep:
                          phase="eligibility")
             return None
         mod = lane.module
-        space = space_mod.load_space(req.kernel, lane.dsl, tuple(mod.TUNABLES))
+        space = space_mod.load_space(req.kernel, lane.dsl, tuple(mod.TUNABLES), self._precision(lane))
         versions = _versions(lane)
         vhash = hashlib.sha1(json.dumps(versions, sort_keys=True).encode()).hexdigest()[:8]
         shape_tag = hashlib.sha1(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:6]
         study_name = (f"{req.kernel}|{lane.dsl}|{shape_name}-{shape_tag}|req={req.device}|gpu={self.mode.actual_profile}"
-                      f"|emu={int(self.mode.emulated)}|co={int(self.mode.compile_only)}|tc={vhash}")
+                      f"|emu={int(self.mode.emulated)}|co={int(self.mode.compile_only)}|tc={vhash}|sp={space.tag}")
         self.dir.mkdir(parents=True, exist_ok=True)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         try:

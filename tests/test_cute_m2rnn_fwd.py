@@ -118,8 +118,8 @@ def test_eligibility_sweep_file_and_registry():
     assert lane.eligibility("sm_90a") is None and lane.eligibility("sm_121a") is None
     assert "no path" in lane.eligibility("sm_80") and lane.target_reason(lane.DEFAULTS, "sm_75")
     sp = space.load_space("m2rnn_fwd", "cute", lane.TUNABLES)
-    assert set(sp.params) == set(lane.TUNABLES) == set(lane.DEFAULTS)
-    assert sp.seeds and all(v in sp.params[k] for k, v in lane.DEFAULTS.items())
+    assert set(sp.params) | set(sp.fixed_names) == set(lane.TUNABLES) == set(lane.DEFAULTS)
+    assert sp.seeds and all(v in sp.params[k] for k, v in lane.DEFAULTS.items() if k in sp.params)
     for seed in sp.seeds:
         assert sp.rule_reason(seed) is None
         for n in DEFAULT_SHAPES:

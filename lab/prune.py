@@ -1,0 +1,91 @@
+"""Which knob values of a lane's search space the committed results support (`python -m lab prune`).
+
+A value is supported when some ok, measured row that used it is within ``within`` (default 5%) of the
+lane's fastest ok row at the same shape, device profile and emulation. Every other value of the sweep
+file is a pruning candidate: "slower" (measured, never within the margin) or "unmeasured" (no ok row
+ever used it). Rows of every commit count: a value that once won under older code is kept until a
+sweep says otherwise. Rows whose config lacks a knob (measured before the knob existed) say nothing
+about it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pandas as pd
+
+from lab import registry
+from lab.devices import LabError
+from lab.space import load_space
+
+
+@dataclass(frozen=True)
+class Support:
+    knob: str
+    value: object
+    in_space: bool          # the value is in the sweep file now
+    ok_rows: int            # measured ok rows that used it
+    best_ratio: float | None  # min over (shape, device) of its fastest time / the lane's fastest there
+    where: str              # the (device, shape) of best_ratio
+
+    def verdict(self, within: float) -> str:
+        if self.best_ratio is None:
+            return "unmeasured"
+        return "keep" if self.best_ratio <= 1 + within else "slower"
+
+
+def _measured(df: pd.DataFrame, kernel: str, dsl: str) -> pd.DataFrame:
+    ok = df[(df["kernel"] == kernel) & (df["dsl"] == dsl) & (df["status"] == "ok")
+            & ~df["compile_only"].astype(bool) & df["time_ms"].notna()].copy()
+    ok["group"] = (ok["requested_profile"].astype(str) + ok["emulated"].map(lambda e: " (emulated)" if e else "")
+                   + " " + ok["shape"].astype(str))
+    ok["lane_best"] = ok.groupby("group")["time_ms"].transform("min")
+    ok["ratio"] = ok["time_ms"] / ok["lane_best"]
+    ok["config"] = ok["config_json"].map(lambda s: json.loads(s or "{}"))
+    return ok
+
+
+def support(df: pd.DataFrame, kernel: str, dsl: str) -> list[Support]:
+    """One entry per (knob, value) of the sweep file, plus values the results used that it no longer has."""
+    lane = registry.get(dsl, kernel)
+    space = load_space(kernel, dsl, tuple(lane.module.TUNABLES))
+    ok = _measured(df, kernel, dsl)
+    out = []
+    for knob, values in space.params.items():
+        seen = ok[ok["config"].map(lambda c: knob in c)]
+        keyed = seen.assign(v=seen["config"].map(lambda c: json.dumps(c[knob])))
+        used = {json.loads(v) for v in keyed["v"].unique()}
+        for value in list(values) + [v for v in used if v not in values]:
+            rows = keyed[keyed["v"] == json.dumps(value)]
+            if rows.empty:
+                out.append(Support(knob, value, value in values, 0, None, ""))
+                continue
+            best = rows.loc[rows["ratio"].idxmin()]
+            out.append(Support(knob, value, value in values, len(rows), float(best["ratio"]), best["group"]))
+    return out
+
+
+def render(entries: list[Support], kernel: str, dsl: str, within: float) -> str:
+    lines = [f"{dsl}/{kernel}: knob values vs the lane's fastest ok row per shape and device "
+             f"(supported: within {within:.0%})",
+             f"{'knob':<18} {'value':<12} {'ok rows':>7} {'best ratio':>10}  verdict     where"]
+    for e in entries:
+        ratio = "-" if e.best_ratio is None else f"{e.best_ratio:.3f}"
+        verdict = e.verdict(within) + ("" if e.in_space else " (not in space)")
+        lines.append(f"{e.knob:<18} {json.dumps(e.value):<12} {e.ok_rows:>7} {ratio:>10}  {verdict:<11} {e.where}")
+    prune = [e for e in entries if e.in_space and e.verdict(within) != "keep"]
+    lines.append(f"{len(prune)} value(s) of the sweep file without support" +
+                 (": " + ", ".join(f"{e.knob}={json.dumps(e.value)}" for e in prune) if prune else ""))
+    return "\n".join(lines)
+
+
+def report(df: pd.DataFrame, kernel: str, dsls: list[str], within: float) -> str:
+    if not 0 <= within < 1:
+        raise LabError(f"--within must be in [0, 1), got {within}")
+    parts = []
+    for dsl in dsls:
+        lane = registry.get(dsl, kernel)
+        if lane.is_baseline and not lane.module.TUNABLES:
+            continue
+        parts.append(render(support(df, kernel, dsl), kernel, dsl, within))
+    return "\n\n".join(parts)
