@@ -98,7 +98,7 @@ def cheap_checks(lane: Lane, space: Space | None, config: dict, shape: dict, pro
     reason = mod.config_reason(config, shape) or (space.rule_reason(config) if space else None)
     if reason:
         return Verdict(False, reason, "rules", smem_limit=limit)
-    reason = mod.eligibility(profile.target) or mod.target_reason(config, profile.target)
+    reason = mod.eligibility(profile.target) or lane.target_reason(config, profile.target)
     shape_target = getattr(mod, "shape_target_reason", None)
     reason = reason or (shape_target(config, shape, profile.target) if shape_target else None)
     if reason:

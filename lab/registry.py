@@ -11,7 +11,7 @@ A lane module defines (see kernels/triton/gemm.py for a full example):
                        at each shape instead and names it)
   config_reason(config, shape) -> str | None       arithmetic rules (no compile)
   eligibility(target) -> str | None                 does the lane have a path for this target
-  target_reason(config, target) -> str | None       config rules that depend on the target
+  target_reason(config, target) -> str | None       optional: config rules that depend on the target
   shape_target_reason(config, shape, target)         optional: rules that depend on both
   smem_estimate(config, shape, target) -> int | None  analytic shared memory per CTA, bytes
   compile_for(config, shape, target) -> dict        AOT compile, no GPU: {"smem_bytes", ...}
@@ -34,7 +34,7 @@ from lab.devices import LabError
 
 BASELINE_KINDS = ("library", "reference")
 REQUIRED = ("DSL", "KERNEL", "TUNABLES", "DEFAULTS", "config_reason", "eligibility",
-            "target_reason", "smem_estimate", "compile_for", "build", "versions")
+            "smem_estimate", "compile_for", "build", "versions")
 
 
 def kernel_packages() -> list[str]:
@@ -100,6 +100,11 @@ class Lane:
             return Eligibility("unavailable", self.import_error or "")
         reason = mod.eligibility(target)
         return Eligibility("ok") if reason is None else Eligibility("ineligible", reason)
+
+    def target_reason(self, config: dict, target: str) -> str | None:
+        """The lane's optional ``target_reason``; None (no target rule) when it has none."""
+        fn = getattr(self.module, "target_reason", None)
+        return fn(config, target) if fn else None
 
     def full_config(self, config: dict) -> dict:
         unknown = [k for k in config if k not in self.module.TUNABLES]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kernels._targets import smem_optin
+
 from kernels.cute import gemm
 
 SQ = {"M": 4096, "N": 4096, "K": 4096, "dtype": "bfloat16"}
@@ -33,7 +35,7 @@ def test_aot_smem_matches_estimate(target, compiled):
         got = compiled(gemm, c, SQ, target)
         assert got["smem_bytes"] > 0 and got["compile_s"] > 0 and got["registers"]
         assert got["smem_bytes"] == got["smem_dynamic"] + got["smem_static"]
-        assert got["smem_bytes"] <= gemm.SMEM_LIMIT[target]
+        assert got["smem_bytes"] <= smem_optin(target)
         est = gemm.smem_estimate(c, SQ, target)
         if est != got["smem_bytes"]:
             mismatches.append((c, est, got["smem_bytes"]))
@@ -77,8 +79,8 @@ def test_hopper_path_refused_on_consumer_blackwell():
 def test_oversized_config_is_caught_by_the_estimate_on_sm121a():
     c = cfg(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, STAGES=4)
     assert gemm.target_reason(c, "sm_121a") is None
-    assert gemm.smem_estimate(c, SQ, "sm_121a") > gemm.SMEM_LIMIT["sm_121a"]
-    assert gemm.smem_estimate(c, SQ, "sm_90a") <= gemm.SMEM_LIMIT["sm_90a"]
+    assert gemm.smem_estimate(c, SQ, "sm_121a") > smem_optin("sm_121a")
+    assert gemm.smem_estimate(c, SQ, "sm_90a") <= smem_optin("sm_90a")
 
 
 def test_eligibility_and_config_rules():

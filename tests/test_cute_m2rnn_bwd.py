@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from kernels._targets import smem_optin
+
 from kernels.cute import m2rnn_bwd as lane
 from lab import space
 
@@ -28,14 +30,14 @@ def _check(got, config, shape, target):
         assert 0 < k["registers"] <= 255, k
         assert (k["stack"] or 0) <= 16, k            # no spill frames
     assert got["smem_bytes"] == lane.smem_estimate(config, shape, target)
-    assert got["smem_bytes"] <= lane.SMEM_LIMIT[target]
+    assert got["smem_bytes"] <= smem_optin(target)
 
 
 @pytest.mark.parametrize("target", ["sm_90a", "sm_121a"])
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_default_config_compiles(target, name):
     shape = SHAPES[name]
-    assert lane.config_reason({}, shape) is None and lane.target_reason({}, target) is None
+    assert lane.config_reason({}, shape) is None and lane.eligibility(target) is None
     _check(lane.compile_for({}, shape, target), lane.DEFAULTS, shape, target)
 
 
@@ -50,9 +52,9 @@ def test_sweep_configs_compile(target, config):
 
 def test_big_checkpoint_fits_hopper_only():
     c = {"CKPT": 32}
-    assert lane.smem_estimate(c, BASE, "sm_90a") <= lane.SMEM_LIMIT["sm_90a"]
-    assert lane.smem_estimate(c, BASE, "sm_121a") > lane.SMEM_LIMIT["sm_121a"]
-    assert lane.smem_estimate({}, BASE, "sm_121a") <= lane.SMEM_LIMIT["sm_121a"]
+    assert lane.smem_estimate(c, BASE, "sm_90a") <= smem_optin("sm_90a")
+    assert lane.smem_estimate(c, BASE, "sm_121a") > smem_optin("sm_121a")
+    assert lane.smem_estimate({}, BASE, "sm_121a") <= smem_optin("sm_121a")
 
 
 def test_refusals():
@@ -68,7 +70,7 @@ def test_refusals():
     with pytest.raises(ValueError, match="float32"):
         lane.compile_for({}, {**BASE, "dtype": "float32"}, "sm_90a")
     for target in ("sm_80", "sm_100a"):
-        assert "no path" in lane.eligibility(target) and lane.target_reason({}, target)
+        assert "no path" in lane.eligibility(target)
 
 
 def test_registry_and_sweep_file():

@@ -38,7 +38,7 @@ from cutlass.tensor_utils import LayoutEnum
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 
-from kernels import _cubin
+from kernels import _cubin, _targets
 
 DSL = "cute"
 KERNEL = "gemm"
@@ -48,8 +48,6 @@ DEFAULTS = {"PATH": "auto", "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAG
 PATHS = ("auto", "wgmma", "mma_sync")
 DTYPES = ("float16", "bfloat16")
 TARGETS = ("sm_90a", "sm_120a", "sm_121a")
-# Opt-in dynamic shared memory per block (bytes): /work/shared/briefs/hardware.md (cudaDevAttrMaxSharedMemoryPerBlockOptin).
-SMEM_LIMIT = {"sm_90a": 232_448, "sm_120a": 101_376, "sm_121a": 101_376}
 _MBAR_REGION = 1024  # mbarrier ring, padded: the operand buffers that follow are 1024-byte aligned
 _EPI_N = 32          # epilogue sub-tile width (columns of C stored per TMA store)
 
@@ -58,14 +56,10 @@ _EPI_N = 32          # epilogue sub-tile width (columns of C stored per TMA stor
 # Pure-Python rules
 # ----------------------------------------------------------------------------------------------
 
-def _cc(target: str) -> int:
-    return int(target.removeprefix("sm_").rstrip("a"))
-
-
 def _path_for(config: dict, target: str) -> str:
     if config["PATH"] != "auto":
         return config["PATH"]
-    return "wgmma" if _cc(target) == 90 else "mma_sync"
+    return "wgmma" if _targets.cc(target) == 90 else "mma_sync"
 
 
 def _epi_tile(path: str, bm: int) -> tuple[int, int]:
@@ -129,9 +123,9 @@ def target_reason(config: dict, target: str) -> str | None:
     if reason:
         return reason
     path = _path_for(config, target)
-    if path == "wgmma" and _cc(target) != 90:
+    if path == "wgmma" and _targets.cc(target) != 90:
         return f"ineligible: PATH=wgmma requires sm_90a (warpgroup MMA + TMA multicast); target is {target}"
-    if _cc(target) >= 120 and config["CLUSTER_M"] * config["CLUSTER_N"] > 1:
+    if _targets.cc(target) >= 120 and config["CLUSTER_M"] * config["CLUSTER_N"] > 1:
         return f"ineligible: clusters of {config['CLUSTER_M']}x{config['CLUSTER_N']} need TMA multicast, absent on {target}"
     if path == "mma_sync" and config["BLOCK_M"] * config["BLOCK_N"] > 128 * 128:
         return f"mma_sync path (the only one on {target}) takes tiles of at most 128x128"
@@ -152,7 +146,7 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
     elem = 2
     bm, bn, bk, st = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"], config["STAGES"]
     dynamic = _MBAR_REGION + st * (bm * bk + bn * bk) * elem
-    static = 1024 + (64 if _cc(target) >= 120 else 0)
+    static = 1024 + (64 if _targets.cc(target) >= 120 else 0)
     return dynamic + static
 
 
@@ -613,18 +607,13 @@ def _cubin_resources(path: str) -> tuple[int, int | None, str]:
 
 # ---- running -------------------------------------------------------------------------------------
 
-def _device_target() -> str:
-    major, minor = torch.cuda.get_device_capability()
-    return f"sm_{major}{minor}a"
-
-
 def build(config: dict, shape: dict):
     """Compile once for the current device and return ``run(inputs, outputs)`` (launch only)."""
     import cuda.bindings.driver as cuda
     from cutlass.cute.runtime import make_ptr
     from cutlass.cute.typing import AddressSpace
 
-    target = _device_target()
+    target = _targets.device_target()
     reason = config_reason(config, shape) or target_reason(config, target)
     if reason:
         raise ValueError(reason)

@@ -45,6 +45,7 @@ import cutlass.cute as cute
 import cutlass.memory
 import torch
 
+from kernels import _targets
 from kernels.cute import _aot
 from lab.problems import _m2rnn as m2
 
@@ -53,7 +54,6 @@ KERNEL = "m2rnn_bwd"
 TUNABLES = ("CKPT", "K_SPLIT", "FAST_TANH")
 DEFAULTS = {"CKPT": 16, "K_SPLIT": 1, "FAST_TANH": True}
 TARGETS = ("sm_90a", "sm_120a", "sm_121a")
-SMEM_LIMIT = {"sm_90a": 232_448, "sm_120a": 101_376, "sm_121a": 101_376}
 CKPTS = (4, 8, 16, 32)
 K_SPLITS = (1, 2, 4)
 V = 16
@@ -64,10 +64,6 @@ _LOG2E = 1.4426950408889634
 # ----------------------------------------------------------------------------------------------
 # Pure-Python rules
 # ----------------------------------------------------------------------------------------------
-
-def _cc(target: str) -> int:
-    return int(target.removeprefix("sm_").rstrip("a"))
-
 
 def config_reason(config: dict, shape: dict) -> str | None:
     config = {**DEFAULTS, **config}
@@ -95,10 +91,6 @@ def eligibility(target: str) -> str | None:
     if target not in TARGETS:
         return f"cute m2rnn_bwd has no path for {target} (bf16 mma.sync + movmatrix; has {', '.join(TARGETS)})"
     return None
-
-
-def target_reason(config: dict, target: str) -> str | None:
-    return eligibility(target)
 
 
 def _dims(config: dict, shape: dict) -> dict:
@@ -148,7 +140,7 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
     1024 bytes the DSL's cubins carry and 64 reserved on sm_12x (kernels/cute/gemm.py). Meant to equal
     the compiled figure (the tests check it)."""
     config = {**DEFAULTS, **config}
-    return _bwd_layout(config, shape)["TOTAL"] + 1024 + (64 if _cc(target) >= 120 else 0)
+    return _bwd_layout(config, shape)["TOTAL"] + 1024 + (64 if _targets.cc(target) >= 120 else 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -603,7 +595,7 @@ def _compile_one(config, shape, target, backward):
 def compile_for(config: dict, shape: dict, target: str) -> dict:
     """Both kernels for ``target`` (no GPU); smem_bytes / registers are the larger of the two."""
     config = {**DEFAULTS, **config}
-    reason = config_reason(config, shape) or target_reason(config, target)
+    reason = config_reason(config, shape) or eligibility(target)
     if reason:
         raise ValueError(f"cannot compile for {target}: {reason}")
     _, fwd = _compile_one(config, shape, target, False)
@@ -621,9 +613,8 @@ def build(config: dict, shape: dict):
     from cutlass.cute.runtime import make_ptr
     from cutlass.cute.typing import AddressSpace
     config = {**DEFAULTS, **config}
-    major, minor = torch.cuda.get_device_capability()
-    target = f"sm_{major}{minor}a"
-    reason = config_reason(config, shape) or target_reason(config, target)
+    target = _targets.device_target()
+    reason = config_reason(config, shape) or eligibility(target)
     if reason:
         raise ValueError(reason)
     fwd_fn, fwd = _compile_one(config, shape, target, False)

@@ -42,6 +42,7 @@ import cutlass.memory
 import torch
 from cutlass.cute.nvgpu import cpasync
 
+from kernels import _targets
 from kernels.cute import _aot
 from kernels.cute.gemm import versions  # noqa: F401 (versions: lane interface)
 
@@ -53,7 +54,6 @@ DEFAULTS = {"ROWS_PER_WARP": 16, "HEADS_PER_CTA": 1, "CHUNK": 32, "STAGES": 2, "
 PRODUCTS = ("auto", "mma_bf16", "fma_fp32")
 TARGETS = ("sm_90a", "sm_100a", "sm_120a", "sm_121a")
 DTYPES = ("float32", "bfloat16")
-SMEM_LIMIT = {"sm_90a": 232_448, "sm_100a": 232_448, "sm_120a": 101_376, "sm_121a": 101_376}
 _NAMES = ("q", "k", "v", "W", "f", "h0", "y", "h_final")
 
 
@@ -124,10 +124,6 @@ def eligibility(target: str) -> str | None:
     return None
 
 
-def target_reason(config: dict, target: str) -> str | None:
-    return eligibility(target)
-
-
 def _smem_parts(config: dict, shape: dict) -> dict:
     config = {**DEFAULTS, **config}
     e, T, st, hpc = _elem(shape), config["CHUNK"], config["STAGES"], config["HEADS_PER_CTA"]
@@ -147,7 +143,7 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
 
 
 def _static_smem(target: str) -> int:
-    return 1024 + (64 if int(target.removeprefix("sm_").rstrip("a")) >= 100 else 0)
+    return 1024 + (64 if _targets.cc(target) >= 100 else 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -556,15 +552,10 @@ def compile_for(config: dict, shape: dict, target: str) -> dict:
     code, + static, from the cubin), "registers", "stack" (bytes of local memory per thread: > 0 means
     spills or a register array indexed at run time), "compile_s", "binary": "cubin", ...}."""
     config = {**DEFAULTS, **config}
-    reason = config_reason(config, shape) or target_reason(config, target)
+    reason = config_reason(config, shape) or eligibility(target)
     if reason:
         raise ValueError(f"cannot compile for {target}: {reason}")
     return _compile_with_resources(config, shape, target)[1]
-
-
-def _device_target() -> str:
-    major, minor = torch.cuda.get_device_capability()
-    return f"sm_{major}{minor}a"
 
 
 def build(config: dict, shape: dict):
@@ -573,8 +564,8 @@ def build(config: dict, shape: dict):
     from cutlass.cute.typing import AddressSpace
 
     config = {**DEFAULTS, **config}
-    target = _device_target()
-    reason = config_reason(config, shape) or target_reason(config, target)
+    target = _targets.device_target()
+    reason = config_reason(config, shape) or eligibility(target)
     if reason:
         raise ValueError(reason)
     fn, res = _compile_with_resources(config, shape, target)

@@ -34,7 +34,7 @@ import time
 import torch
 import cuda.tile as ct
 
-from kernels import _cubin
+from kernels import _cubin, _targets
 
 DSL = "cutile"
 KERNEL = "gemm"
@@ -144,18 +144,13 @@ def config_reason(config: dict, shape: dict) -> str | None:
     return None
 
 
-def _arch(target: str) -> int | None:
-    body = target.removeprefix("sm_").rstrip("af")
-    return int(body) if body.isdigit() else None
-
-
 def _gpu_code(target: str) -> str:
-    return f"sm_{_arch(target)}"
+    return f"sm_{_targets.cc(target)}"
 
 
 def eligibility(target: str) -> str | None:
     """Why this lane cannot compile for ``target`` (None when it can)."""
-    arch = _arch(target)
+    arch = _targets.cc(target)
     if arch not in ARCHS:
         have = ", ".join(f"sm_{a}" for a in ARCHS)
         return f"cuTile (tileiras 13.5) has no code generation for {target} (has {have})"
@@ -164,7 +159,7 @@ def eligibility(target: str) -> str | None:
 
 def target_reason(config: dict, target: str) -> str | None:
     """Config rules that depend on the compile target."""
-    arch = _arch(target)
+    arch = _targets.cc(target)
     if config["num_ctas"] > 1 and arch is not None and arch < 90:
         return f"num_ctas={config['num_ctas']} needs thread block clusters (sm_90+), target is {target}"
     return None
@@ -185,11 +180,7 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int | None:
     for the others); the compiled figure (``compile_for``) is the exact one, and the tests hold
     compiled <= estimate.
     """
-    return _SMEM_OPTIN.get(_arch(target), 101_376)
-
-
-_SMEM_OPTIN = {80: 166_912, 87: 166_912, 86: 101_376, 88: 101_376, 89: 101_376, 90: 232_448,
-               100: 232_448, 103: 232_448, 107: 101_376, 110: 232_448, 120: 101_376, 121: 101_376}
+    return _targets.smem_optin(target)
 
 
 def _array_constraint(dtype: str, rows: int, cols: int, elem: int):

@@ -25,13 +25,11 @@ tiles in local memory (spills), hence the unrolling. Plain strides (no 16-byte d
 facts) gave scalar 2-byte loads; the signature below records the divisibility the JIT sees.
 Without an occupancy hint tileiras takes 168 registers x 384 threads (1 CTA per SM: b8_n84's 672
 CTAs would run in 6 waves); occupancy = 3 gives 80 registers x 256 threads, no spills.
-KV (2026-11-23): the broadcast k_t v_t^T took ~70 of the ~120 SASS instructions of a step (quad shuffles
+KV: the broadcast k_t v_t^T took ~70 of the ~120 SASS instructions of a step (quad shuffles
 and selects building the accumulator layout). KV = "mma" computes it as the product of the chunk's k
 [BK, T] with every column but t zeroed and the chunk's v [T, V] (exact: one bf16 product per element), which
 tileiras writes straight into the accumulator: ~47 instructions per step. "cat" folds it into the step's
-product ([H | k] [W ; v], K = 32). Measured (H100, 2026-11-23, sweep results/h100/m2rnn_fwd/20261123T053146Z-*,
-parity ok): KV = mma at occupancy 2 (128 registers, no spills), the default, 0.944 / 1.058 / 2.842 ms at
-b2_n8 / b4_n44 / b8_n84 against 1.254 / 1.888 / 4.356 for the best KV = outer seeds of the same run.
+product ([H | k] [W ; v], K = 32).
 
 Tunables (values in sweeps/m2rnn_fwd/cutile.toml):
   num_worker_warps  0 (auto), 4, 8: warps of the compute warp group. cuda-tile 1.7.0 writes TileIR
@@ -70,7 +68,8 @@ import time
 import torch
 import cuda.tile as ct
 
-from kernels.cutile.gemm import ARCHS, _arch, _gpu_code, _launch_info, cubin_resources, eligibility, export_cubin
+from kernels import _targets
+from kernels.cutile.gemm import ARCHS, _gpu_code, _launch_info, cubin_resources, eligibility, export_cubin
 from kernels.cutile.gemm import versions  # noqa: F401  (the lane interface)
 
 DSL = "cutile"
@@ -85,7 +84,6 @@ DOTS = ("bf16", "tf32", "tf32x3", "f32")
 KVS = ("outer", "mma", "cat")
 _CT = {"float32": ct.float32, "bfloat16": ct.bfloat16}
 _ELEM = {"float32": 4, "bfloat16": 2}
-_SMEM_OPTIN = {80: 166_912, 87: 166_912, 90: 232_448, 100: 232_448, 103: 232_448, 110: 232_448}
 
 C = ct.Constant[int]
 CB = ct.Constant[bool]
@@ -295,10 +293,6 @@ def config_reason(config: dict, shape: dict) -> str | None:
     return None
 
 
-def target_reason(config: dict, target: str) -> str | None:
-    return None
-
-
 def smem_estimate(config: dict, shape: dict, target: str) -> int | None:
     """Shared memory per CTA, bytes: an upper bound, the target's opt-in per-block limit.
 
@@ -309,7 +303,7 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int | None:
     occupancy hint and T changed. So the analytic figure is only this bound; ``compile_for`` gives
     the exact one and the tests hold compiled <= estimate.
     """
-    return _SMEM_OPTIN.get(_arch(target), 101_376)
+    return _targets.smem_optin(target)
 
 
 def _array(dtype: str, dims: tuple):
@@ -355,7 +349,7 @@ def _compile_cubin(config: dict, shape: dict, gpu_code: str) -> bytes:
 
 def compile_for(config: dict, shape: dict, target: str) -> dict:
     config = {**DEFAULTS, **config}
-    reason = eligibility(target) or config_reason(config, shape) or target_reason(config, target)
+    reason = eligibility(target) or config_reason(config, shape)
     if reason:
         raise ValueError(reason)
     t0 = time.perf_counter()

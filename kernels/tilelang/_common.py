@@ -8,10 +8,11 @@ import shutil
 import subprocess
 import tempfile
 
-import torch
 import tilelang
 import tvm
 from tilelang.transform import PassConfigKey
+
+from kernels._targets import cc, device_target  # noqa: F401  (the lanes call tl.cc, tl.device_target)
 
 TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_120a", "sm_121a")
 
@@ -37,21 +38,10 @@ def pass_configs(tma: bool, warp_specialized: bool, aggressive_smem_merge: bool,
     return pc
 
 
-def cc(target: str) -> int:
-    return int(target.removeprefix("sm_").rstrip("a"))
-
-
 def tvm_target(target: str) -> tvm.target.Target:
     # 0.1.15 takes a dict for target attributes (tilelang.compile docstring); "arch" carries the
     # "a" suffix that enables wgmma / setmaxnreg on sm_90a.
     return tvm.target.Target({"kind": "cuda", "arch": target})
-
-
-def device_target() -> str:
-    """The current GPU's explicit target: architecture-specific ("a") where it exists."""
-    major, minor = torch.cuda.get_device_capability()
-    c = major * 10 + minor
-    return f"sm_{c}a" if c >= 90 else f"sm_{c}"
 
 
 def lower(program, target: str, pass_configs: dict):

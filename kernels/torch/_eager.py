@@ -19,10 +19,6 @@ def eligibility(target: str) -> str | None:
     return None
 
 
-def target_reason(config: dict, target: str) -> str | None:
-    return None
-
-
 def smem_estimate(config: dict, shape: dict, target: str) -> int | None:
     return None
 

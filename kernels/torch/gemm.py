@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kernels.torch._eager import (  # noqa: F401  (the lane interface)
-    BASELINE, DEFAULTS, DSL, TUNABLES, config_reason, eligibility, smem_estimate, target_reason)
+    BASELINE, DEFAULTS, DSL, TUNABLES, config_reason, eligibility, smem_estimate)
 
 KERNEL = "gemm"
 

@@ -7,7 +7,7 @@ import torch
 
 from kernels.torch._eager import (  # noqa: F401  (the lane interface)
     BASELINE, DEFAULTS, DSL, TUNABLES, compile_for, config_reason, eligibility, smem_estimate,
-    target_reason, versions)
+    versions)
 from lab.problems import _m2rnn as m2
 
 KERNEL = "m2rnn_fwd"

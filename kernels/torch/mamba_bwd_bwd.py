@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kernels.torch._eager import (  # noqa: F401  (the lane interface)
     BASELINE, DEFAULTS, DSL, TUNABLES, compile_for, config_reason, eligibility, smem_estimate,
-    target_reason, versions)
+    versions)
 from lab.problems import _mamba3 as m3
 
 KERNEL = "mamba_bwd_bwd"

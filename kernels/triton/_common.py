@@ -7,6 +7,8 @@ import time
 import torch
 import triton
 
+from kernels._targets import cc  # noqa: F401  (the lanes call _common.cc)
+
 TARGETS = ("sm_80", "sm_90a", "sm_100a", "sm_120a", "sm_121a")
 
 
@@ -16,11 +18,6 @@ def interpreting() -> bool:
 
 def eligibility(target: str) -> str | None:
     return None if target in TARGETS else f"no Triton path for {target} (have {', '.join(TARGETS)})"
-
-
-def cc(target: str) -> int:
-    """Compute capability of an explicit target name: sm_90a -> 90, sm_121a -> 121."""
-    return int(target.removeprefix("sm_").rstrip("a"))
 
 
 def launch_info(kernel) -> dict:

@@ -43,10 +43,6 @@ def config_reason(config: dict, shape: dict) -> str | None:
     return m2k.ksplit_reason(config, shape) or m2k.prefetch_reason(config)
 
 
-def target_reason(config: dict, target: str) -> str | None:
-    return None
-
-
 def smem_estimate(config: dict, shape: dict, target: str) -> int:
     """Shared memory per program of the backward kernel, bytes: operands of its three products
     (H W, H^T dX, dX W^T) in the dot's input dtype. An approximation (Triton 3.6 AOT: 6,656 B on

@@ -38,10 +38,6 @@ def config_reason(config: dict, shape: dict) -> str | None:
     return m2k.ksplit_reason(config, shape) or m2k.prefetch_reason(config)
 
 
-def target_reason(config: dict, target: str) -> str | None:
-    return None
-
-
 def smem_estimate(config: dict, shape: dict, target: str) -> int:
     """Shared memory per program, bytes: the V x V W operand and the BLOCK_K x V state operand of the
     per-step product, in the dot's input dtype (Triton stages both through shared memory). Checked
