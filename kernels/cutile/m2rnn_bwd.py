@@ -198,7 +198,8 @@ import time
 import torch
 import cuda.tile as ct
 
-from kernels.cutile.gemm import ARCHS, _arch, _gpu_code, cubin_resources, export_cubin, versions  # noqa: F401
+from kernels import _targets
+from kernels.cutile.gemm import ARCHS, _gpu_code, cubin_resources, export_cubin, versions  # noqa: F401
 from lab.problems import _m2rnn as m2
 
 DSL = "cutile"
@@ -1172,16 +1173,9 @@ def _chain_reason(config: dict, shape: dict) -> str | None:
 
 
 def eligibility(target: str) -> str | None:
-    if _arch(target) not in ARCHS:
+    if _targets.cc(target) not in ARCHS:
         return f"cuTile (tileiras 13.5) has no code generation for {target} (has {', '.join(TARGETS)})"
     return None
-
-
-def target_reason(config: dict, target: str) -> str | None:
-    return None
-
-
-_SMEM_OPTIN = {80: 166_912, 87: 166_912, 90: 232_448, 100: 232_448, 103: 232_448, 110: 232_448}
 
 
 def smem_estimate(config: dict, shape: dict, target: str) -> int:
@@ -1190,7 +1184,7 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
     layout conversions for the per-step rows and the once-per-chunk reductions), sized to the target and
     the occupancy hint, so the analytic figure is only this bound; ``compile_for`` gives the exact one
     and the preflight uses it."""
-    return _SMEM_OPTIN.get(_arch(target), 101_376)
+    return _targets.smem_optin(target)
 
 
 def _consts(config: dict, shape: dict) -> dict:
@@ -1369,7 +1363,7 @@ def _signatures(config: dict, shape: dict):
 def compile_cubins(config: dict, shape: dict, target: str, which=("forward", "backward")) -> dict:
     """{"forward": cubin, "backward": cubin} (those in ``which``) for ``target`` (no GPU needed)."""
     config = {**DEFAULTS, **config}
-    reason = eligibility(target) or config_reason(config, shape) or target_reason(config, target)
+    reason = eligibility(target) or config_reason(config, shape)
     if reason:
         raise ValueError(reason)
     kernels = _kernels(config)

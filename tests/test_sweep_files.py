@@ -1,0 +1,42 @@
+"""The committed sweep files against the committed results: pruning a space (`python -m lab prune`) must
+keep every lane's best measured config of every shape and device inside it."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lab import gate, registry, results, space
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _bests():
+    df = gate.ok_rows(results.load(ROOT / "results"))
+    for (kernel, dsl, device, shape), rows in df.groupby(["kernel", "dsl", "requested_profile", "shape"]):
+        best = rows.loc[rows["time_ms"].idxmin()]
+        yield kernel, dsl, device, shape, json.loads(best["config_json"])
+
+
+BESTS = sorted(_bests(), key=lambda b: b[:4])
+
+
+@pytest.mark.parametrize("kernel,dsl", sorted({(k, d) for k, d, *_ in BESTS}))
+def test_best_committed_configs_stay_in_the_space(kernel, dsl):
+    lane = registry.get(dsl, kernel)
+    if lane.is_baseline:
+        pytest.skip("a baseline lane has nothing to tune")
+    sp = space.load_space(kernel, dsl, tuple(lane.module.TUNABLES))
+    outside = []
+    for k, d, device, shape, config in BESTS:
+        if (k, d) != (kernel, dsl):
+            continue
+        # Keys the lane no longer tunes, and precision keys (not params), say nothing about the space.
+        cfg = {key: v for key, v in config.items() if key in sp.params}
+        bad = [f"{key}={v!r}" for key, v in cfg.items() if v not in sp.params[key]]
+        full = lane.full_config(cfg)
+        why = ", ".join(bad) or sp.rule_reason(full)
+        if why:
+            outside.append(f"{device} {shape}: {why}")
+    assert not outside, f"{dsl}/{kernel}: best configs outside {sp.source}: " + "; ".join(outside)
