@@ -204,7 +204,7 @@ def cmd_export(args) -> int:
 def cmd_prune(args) -> int:
     from lab import prune, registry, results
     dsls = [l.dsl for l in registry.lanes_for(args.kernel)] if args.dsl == "all" else args.dsl.split(",")
-    print(prune.report(results.load(args.results), args.kernel, dsls, args.within))
+    print(prune.report(results.load(args.results), args.kernel, dsls, args.within, args.min_rows))
     return 0
 
 
@@ -304,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("kernel")
     s.add_argument("--dsl", default="all", help="a DSL, a comma list, or all")
     s.add_argument("--within", type=float, default=0.05, help="a value is supported within this fraction of the lane's best")
+    s.add_argument("--min-rows", type=int, default=3, help="ok rows a value needs before it is judged slower")
     s.add_argument("--results", default="results")
     s.set_defaults(fn=cmd_prune)
 

@@ -2,8 +2,9 @@
 
 A value is supported when some ok, measured row that used it is within ``within`` (default 5%) of the
 lane's fastest ok row at the same shape, device profile and emulation. Every other value of the sweep
-file is a pruning candidate: "slower" (measured, never within the margin) or "unmeasured" (no ok row
-ever used it). Rows of every commit count: a value that once won under older code is kept until a
+file is a pruning candidate: "slower" (measured in at least ``min_rows`` ok rows, never within the
+margin), "thin" (fewer rows: one bad row may owe its time to the other knobs of its config) or
+"unmeasured" (no ok row ever used it). Rows of every commit count: a value that once won under older code is kept until a
 sweep says otherwise. Rows whose config lacks a knob (measured before the knob existed) say nothing
 about it.
 """
@@ -28,10 +29,12 @@ class Support:
     best_ratio: float | None  # min over (shape, device) of its fastest time / the lane's fastest there
     where: str              # the (device, shape) of best_ratio
 
-    def verdict(self, within: float) -> str:
+    def verdict(self, within: float, min_rows: int = 3) -> str:
         if self.best_ratio is None:
             return "unmeasured"
-        return "keep" if self.best_ratio <= 1 + within else "slower"
+        if self.best_ratio <= 1 + within:
+            return "keep"
+        return "slower" if self.ok_rows >= min_rows else "thin"
 
 
 def _measured(df: pd.DataFrame, kernel: str, dsl: str) -> pd.DataFrame:
@@ -65,21 +68,22 @@ def support(df: pd.DataFrame, kernel: str, dsl: str) -> list[Support]:
     return out
 
 
-def render(entries: list[Support], kernel: str, dsl: str, within: float) -> str:
+def render(entries: list[Support], kernel: str, dsl: str, within: float, min_rows: int = 3) -> str:
     lines = [f"{dsl}/{kernel}: knob values vs the lane's fastest ok row per shape and device "
-             f"(supported: within {within:.0%})",
+             f"(supported: within {within:.0%}; slower: in {min_rows}+ ok rows, never within)",
              f"{'knob':<18} {'value':<12} {'ok rows':>7} {'best ratio':>10}  verdict     where"]
     for e in entries:
         ratio = "-" if e.best_ratio is None else f"{e.best_ratio:.3f}"
-        verdict = e.verdict(within) + ("" if e.in_space else " (not in space)")
+        verdict = e.verdict(within, min_rows) + ("" if e.in_space else " (not in space)")
         lines.append(f"{e.knob:<18} {json.dumps(e.value):<12} {e.ok_rows:>7} {ratio:>10}  {verdict:<11} {e.where}")
-    prune = [e for e in entries if e.in_space and e.verdict(within) != "keep"]
-    lines.append(f"{len(prune)} value(s) of the sweep file without support" +
-                 (": " + ", ".join(f"{e.knob}={json.dumps(e.value)}" for e in prune) if prune else ""))
+    for kind in ("slower", "thin", "unmeasured"):
+        hits = [e for e in entries if e.in_space and e.verdict(within, min_rows) == kind]
+        lines.append(f"{kind}: {len(hits)} value(s) of the sweep file" +
+                     (": " + ", ".join(f"{e.knob}={json.dumps(e.value)}" for e in hits) if hits else ""))
     return "\n".join(lines)
 
 
-def report(df: pd.DataFrame, kernel: str, dsls: list[str], within: float) -> str:
+def report(df: pd.DataFrame, kernel: str, dsls: list[str], within: float, min_rows: int = 3) -> str:
     if not 0 <= within < 1:
         raise LabError(f"--within must be in [0, 1), got {within}")
     parts = []
@@ -87,5 +91,5 @@ def report(df: pd.DataFrame, kernel: str, dsls: list[str], within: float) -> str
         lane = registry.get(dsl, kernel)
         if lane.is_baseline and not lane.module.TUNABLES:
             continue
-        parts.append(render(support(df, kernel, dsl), kernel, dsl, within))
+        parts.append(render(support(df, kernel, dsl), kernel, dsl, within, min_rows))
     return "\n\n".join(parts)

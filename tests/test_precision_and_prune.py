@@ -98,6 +98,7 @@ def test_prune_flags_values_never_within_the_margin(lab_env):
     assert by[("SMEM_KB", "64")].verdict(0.05) == "keep"        # 1.064 / 1.016 = 1.047
     assert by[("SMEM_KB", "200")].verdict(0.05) == "slower"     # 1.2 / 1.016
     text = prune.report(df, "gemm", ["sim"], 0.05)
-    assert "3 value(s) of the sweep file without support: MODE=\"slow\", SMEM_KB=200, SPEED=2" in text
+    assert 'slower: 3 value(s) of the sweep file: MODE="slow", SMEM_KB=200, SPEED=2' in text
+    assert by[("SMEM_KB", "200")].verdict(0.05, min_rows=10**6) == "thin"    # too few rows to judge
     with pytest.raises(LabError):
         prune.report(df, "gemm", ["sim"], 1.5)
