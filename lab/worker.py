@@ -26,9 +26,13 @@ def _sync(device: str):
         torch.cuda.synchronize()
 
 
+# Allocation failures: a run-time outcome even in the first call (the compile phase), never a compile error.
+_OOM = ("out of memory", "can't allocate memory", "OutOfMemoryError")
+
+
 def _classify(exc: BaseException, phase: str) -> str:
     text = f"{type(exc).__name__}: {exc}"
-    if any(s.lower() in text.lower() for s in _STICKY):
+    if any(s.lower() in text.lower() for s in _STICKY + _OOM):
         return "runtime_error"
     return "compile_error" if phase == "compile" else "runtime_error"
 
