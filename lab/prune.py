@@ -4,18 +4,22 @@ A value is supported when some ok, measured row that used it is within ``within`
 lane's fastest ok row at the same shape, device profile and emulation. Every other value of the sweep
 file is a pruning candidate: "slower" (measured in at least ``min_rows`` ok rows, never within the
 margin), "thin" (fewer rows: one bad row may owe its time to the other knobs of its config) or
-"unmeasured" (no ok row ever used it). Rows of every commit count: a value that once won under older code is kept until a
-sweep says otherwise. Rows whose config lacks a knob (measured before the knob existed) say nothing
-about it.
+"unmeasured" (no ok row ever used it). Rows of every commit count: a value that once won under older
+code is kept until a sweep says otherwise. A row whose config lacks a knob ran with the lane's
+DEFAULTS at the row's commit (read from git); where that commit's DEFAULTS do not name the knob either
+(it did not exist yet), the row says nothing about it.
 """
 from __future__ import annotations
 
+import ast
+import functools
 import json
+import subprocess
 from dataclasses import dataclass
 
 import pandas as pd
 
-from lab import registry
+from lab import identity, registry
 from lab.devices import LabError
 from lab.space import load_space
 
@@ -37,6 +41,21 @@ class Support:
         return "slower" if self.ok_rows >= min_rows else "thin"
 
 
+@functools.lru_cache(maxsize=None)
+def defaults_at(path: str, commit: str) -> dict:
+    """The ``DEFAULTS = {...}`` literal of the file at ``path`` (relative to the checkout) at ``commit``;
+    {} when git or the literal cannot be read."""
+    try:
+        text = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=identity.ROOT, capture_output=True,
+                              text=True, timeout=30).stdout
+        for node in ast.parse(text).body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "DEFAULTS" for t in node.targets):
+                return ast.literal_eval(node.value)
+    except (OSError, SyntaxError, ValueError, subprocess.SubprocessError):
+        pass
+    return {}
+
+
 def _measured(df: pd.DataFrame, kernel: str, dsl: str) -> pd.DataFrame:
     ok = df[(df["kernel"] == kernel) & (df["dsl"] == dsl) & (df["status"] == "ok")
             & ~df["compile_only"].astype(bool) & df["time_ms"].notna()].copy()
@@ -44,7 +63,9 @@ def _measured(df: pd.DataFrame, kernel: str, dsl: str) -> pd.DataFrame:
                    + " " + ok["shape"].astype(str))
     ok["lane_best"] = ok.groupby("group")["time_ms"].transform("min")
     ok["ratio"] = ok["time_ms"] / ok["lane_best"]
-    ok["config"] = ok["config_json"].map(lambda s: json.loads(s or "{}"))
+    path = f"kernels/{dsl}/{kernel}.py"
+    ok["config"] = [{**defaults_at(path, str(commit)), **json.loads(cfg or "{}")}
+                    for cfg, commit in zip(ok["config_json"], ok["git_commit"])]
     return ok
 
 
