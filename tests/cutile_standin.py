@@ -116,7 +116,7 @@ def fake_ct(undetermined: float = 0.0):
     t.arange = lambda n, dtype, start=0, step=1: torch.arange(start, start + n * step, step, dtype=dtype)
     t.where = where
     t.static_iter = lambda it: it
-    t.mma = lambda a, b, acc: (a.to(F64) @ b.to(F64)).to(acc.dtype) + acc
+    t.mma = lambda a, b, acc: a.to(F64) @ b.to(F64) + acc
     t.matmul = lambda a, b: a.to(F64) @ b.to(F64)
     t.tanh = lambda x, rounding_mode=None: torch.tanh(x)
     t.exp = lambda x, **kw: torch.exp(torch.as_tensor(x))
