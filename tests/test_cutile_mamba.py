@@ -127,6 +127,8 @@ BODY_CASES = [
                  {**SMALL, "SCAN_BJ": 32, "SCAN_BP": 32, "VALUE_BJ": 32, "BLOCK_P": 32}, id="r4-gqa-z-rd2"),
     pytest.param(_small(B=1, S=24, H=1, R=2, C=8, hasZ=False, hasD=True, reduceO=True), {**SMALL, "KEY_BP": 32},
                  id="r2-d-only"),
+    pytest.param(_small(B=1, S=8, H=2, G=2, N=32, P=16, R=8, C=2, rd=4, hasZ=True, hasD=True, reduceO=False), SMALL,
+                 id="r8-c2-gqa-4-chunks"),
 ]
 
 
@@ -148,8 +150,10 @@ def test_kernel_bodies_match_reference(shape, config, monkeypatch):
     ok, errors = parity.compare(outputs, ref, PROBLEM.tolerance(shape), PROBLEM.output_tolerances(shape))
     assert ok, parity.describe_failure(errors, PROBLEM.tolerance(shape), str(shape), PROBLEM.output_tolerances(shape))
     # Inside the bands with room: the stand-in multiplies exactly (fp64), so only bf16 / fp16 operand rounding
-    # is left (DDA, a cancelling sum over N x P, has its own wider band; see the problem).
-    assert max(e.rel_l2 for n, e in errors.items() if n != "DDA") < 5e-3, errors
+    # is left (bf16 up to 5.7e-3 at R = 8, fp16 below 3e-3 over three seeds; DDA, a cancelling sum over N x P,
+    # has its own wider band, see the problem).
+    bound = 8e-3 if shape["dtype"] == "bfloat16" else 3e-3
+    assert max(e.rel_l2 for n, e in errors.items() if n != "DDA") < bound, errors
 
 
 def test_stand_in_catches_a_wrong_body(monkeypatch):
