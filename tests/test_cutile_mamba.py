@@ -174,3 +174,25 @@ def test_stand_in_catches_a_wrong_body(monkeypatch):
     ns["build"](config, shape)(inputs, outputs)
     ok, errors = parity.compare(outputs, PROBLEM.reference(inputs, shape), PROBLEM.tolerance(shape))
     assert not ok and not errors["DV"].ok(PROBLEM.tolerance(shape))
+
+
+def test_stand_in_tile_semantics():
+    """The shared stand-in's loads, stores and gathers follow cuda.tile's documented semantics."""
+    ct = standin.fake_ct(undetermined=float("nan"))
+    a = torch.arange(12.0).reshape(3, 4)
+    # Tile (1, 0) of 2 x 4 tiles: row 2 and one padded row (NaN unless ZERO padding is asked for).
+    t = ct.load(a, (1, 0), (2, 4))
+    assert torch.equal(t[0], a[2]) and torch.isnan(t[1]).all()
+    assert torch.equal(ct.load(a, (1, 0), (2, 4), padding_mode=ct.PaddingMode.ZERO)[1], torch.zeros(4))
+    # order: tile axis j is array axis order[j] (a transposed load).
+    assert torch.equal(ct.load(a, (0, 0), (4, 2), order=(1, 0)), a[:2].T)
+    # Stores drop what falls outside; a tile wholly outside fails.
+    out = torch.zeros(3, 4)
+    ct.store(out, (1, 1), torch.ones(2, 2))
+    assert out.sum() == 2 and out[2, 2:].sum() == 2
+    with pytest.raises(AssertionError):
+        ct.store(out, (2, 0), torch.ones(2, 2))
+    # gather: padding_value out of bounds or masked.
+    g = ct.gather(a, (2, torch.tensor([3, 4, -1])), padding_value=-1.0)
+    assert g.tolist() == [11.0, -1.0, -1.0]
+    assert ct.gather(a, (0, torch.tensor([1, 2])), mask=torch.tensor([True, False])).tolist() == [1.0, 0.0]
