@@ -19,7 +19,8 @@ written with cuTile tile operations. Four kernels, launched in this order on the
 
 What crosses global memory between them (the lane allocates it once per device):
   dS            [B, H, nc, N, P] input dtype   scan -> both chunk kernels (the GEMM operand)
-  row partials  [B, H, nc, N/2/KEY_BJ, 3, C] fp32   key side -> value side (DDA_CS_REV, DFACTOR, DDA_CS)
+  row partials  [B, H, nc, N/2/KEY_BJ, 4, C] fp32   key side -> value side (DDA_CS_REV, DFACTOR, DDA_CS; the
+                fourth row only pads the tile to a power of two)
   DDA partials  [B, H, nc, N/2/KEY_BJ] fp32         key side -> value side
   DMIMO_V, DD   [B, H, nc, R, P], [B, H, nc] fp32   value side -> reduce
 cuTile keeps no state on chip across kernels, so these are the temporaries a one-kernel TileLang
