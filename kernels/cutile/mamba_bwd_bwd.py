@@ -1,0 +1,616 @@
+"""cuTile lane for mamba_bwd_bwd (the Mamba-3 MIMO backward kernel "bwd_bwd"; the model, the inputs and
+the 12 outputs are defined in lab/problems/_mamba3.py).
+
+The decomposition is the Triton lane's (kernels/triton/mamba_bwd_bwd.py, parity-checked on the H100),
+written with cuTile tile operations. Four kernels, launched in this order on the current stream:
+
+1. ``_scan``, grid (N/2/SCAN_BJ * P/SCAN_BP, H, B): the only serial dependency. dS_c (N x P, the
+   gradient of the state leaving chunk c) walks the chunks last to first in fp32:
+   dS_{c-1} = exp(DA_CS_last(c)) dS_c + q_hat_c^T (exp(DA_CS) dy_c). A program owns SCAN_BJ rotary
+   pairs (rows j and N/2 + j, so the rotation is elementwise between two tiles) and SCAN_BP columns.
+2. ``_chunk_k``, grid (nc * N/2/KEY_BJ, H, B): the key / query side of one chunk on KEY_BJ rotary pairs.
+   Its P loop (KEY_BP columns a step) accumulates PsiV dy^T (F x F, F = C*R fused rows t*R + r),
+   PsiV dS^T and dy STATES^T; then DQ, DK and DANGLES of its pairs, and its pairs' parts of the row sums
+   over N (DDA_CS_REV, DFACTOR, DDA_CS) and of sum(STATES * dS) (DDA).
+3. ``_chunk_v``, grid (nc, H, B): the value side. k_hat q_hat^T over N (VALUE_BJ pairs a step), then P
+   in BLOCK_P columns: dPsiV (DV, per-chunk DMIMO_V and DD partials), PsiV dy^T; then DSSDA,
+   DGAMMA_DIAG and the sums of the key side's partials (DDA, DDA_CS, DDA_CS_REV, DFACTOR).
+4. ``_reduce``, grid (H, B): DMIMO_V and DD summed over the chunks (deterministic, no atomics).
+
+What crosses global memory between them (the lane allocates it once per device):
+  dS            [B, H, nc, N, P] input dtype   scan -> both chunk kernels (the GEMM operand)
+  row partials  [B, H, nc, N/2/KEY_BJ, 4, C] fp32   key side -> value side (DDA_CS_REV, DFACTOR, DDA_CS; the
+                fourth row only pads the tile to a power of two)
+  DDA partials  [B, H, nc, N/2/KEY_BJ] fp32         key side -> value side
+  DMIMO_V, DD   [B, H, nc, R, P], [B, H, nc] fp32   value side -> reduce
+cuTile keeps no state on chip across kernels, so these are the temporaries a one-kernel TileLang
+design keeps in shared memory; the dS scan is the only part that needs the chunk order.
+
+cuTile specifics. Loads and stores are whole tiles (``ct.load`` / ``ct.store`` at tile indices), so
+the fused rows t*R + r of a chunk are the tile (1, C, R, 1, BJ) of Q / K [B, S, R, G, N] reshaped,
+the rotary halves are the tiles jb and N/2/BJ + jb of the last axis, and DQ / DK [B, S*R, H, N] take
+(1, F, 1, BJ) tiles. The angles [B, S, H, N/rd] are read as BJ-wide tiles with zero padding past
+N/rd (cos 1, sin 0: the identity rotation of the non-rotary pairs); a pair block wholly past N/rd
+reads a clamped tile and masks it. The shifted gate needs DT / TRAP of the step after each step, which
+crosses chunks: it is a ``ct.gather`` (zero past S, as the model defines). GEMM operands are in the
+input dtype (bf16 / fp16) with fp32 accumulation (``ct.mma``), as upstream; elementwise math and every
+partial are fp32.
+
+Tunables (sweeps/mamba_bwd_bwd/cutile.toml):
+  SCAN_BJ, SCAN_BP     dS tile of one scan program: SCAN_BJ rotary pairs x SCAN_BP columns
+  KEY_BJ, KEY_BP       rotary pairs per key-side program; P columns per step of its P loop
+  VALUE_BJ, BLOCK_P    pairs per step of the value side's N loops; P columns per step of its P loop
+  occupancy            CTAs per SM tileiras compiles every kernel for (0: its choice)
+  num_worker_warps     warps of the compute warp group (0: tileiras' choice; cuda-tile 1.7.0 writes
+                       TileIR 13.4, where only 4 and 8 exist)
+
+Read for the API (no code copied): cuda-tile 1.7.0 ``cuda/tile/_stub.py`` docstrings (load / store with
+``order`` and padding, gather, mma, reshape, broadcast_to, reductions), and this lab's
+kernels/cutile/gemm.py and m2rnn_fwd.py (AOT export, array constraints, resources).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import cuda.tile as ct
+
+from kernels import _targets
+from kernels.cutile.gemm import ARCHS, _gpu_code, _launch_info, cubin_resources, eligibility, export_cubin
+from kernels.cutile.gemm import versions  # noqa: F401  (the lane interface)
+from lab.problems import _mamba3 as m3
+
+DSL = "cutile"
+KERNEL = "mamba_bwd_bwd"
+TUNABLES = ("SCAN_BJ", "SCAN_BP", "KEY_BJ", "KEY_BP", "VALUE_BJ", "BLOCK_P", "occupancy", "num_worker_warps")
+DEFAULTS = {"SCAN_BJ": 16, "SCAN_BP": 32, "KEY_BJ": 16, "KEY_BP": 32, "VALUE_BJ": 16, "BLOCK_P": 32,
+            "occupancy": 0, "num_worker_warps": 0}
+TARGETS = tuple(f"sm_{a}a" if a >= 90 else f"sm_{a}" for a in ARCHS)
+DTYPES = ("bfloat16", "float16")
+KERNELS = ("scan", "key", "value", "reduce")
+_CT = {"bfloat16": ct.bfloat16, "float16": ct.float16, "float32": ct.float32}
+_ELEM = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+K_ = ct.Constant[int]
+B_ = ct.Constant[bool]
+ZERO = ct.PaddingMode.ZERO
+
+
+# --------------------------------------------------------------------------------------------
+# tile helpers (inlined into the kernels)
+
+
+def _rows(x, C, R):
+    """[C] per-step values -> [F, 1] per fused row t*R + r."""
+    return ct.reshape(ct.broadcast_to(ct.reshape(x, (C, 1)), (C, R)), (C * R, 1))
+
+
+def _group(x, C, R):
+    """[F] per-row values summed over the R ranks of each step: [C]."""
+    return ct.sum(ct.reshape(x, (C, R)), axis=1)
+
+
+def _steps(X, b, h, c, C):
+    """Chunk c of a [B, H, S] tensor: [C] fp32."""
+    return ct.reshape(ct.load(X, (b, h, c), (1, 1, C)), (C,)).astype(ct.float32)
+
+
+def _fuse(X, W, b, h, c, pb, C, R, BP):
+    """[B, S, H, P] rows of chunk c times [H, R, P] per-rank weights, columns block pb: [F, BP] fp32."""
+    x = ct.reshape(ct.load(X, (b, c, h, pb), (1, C, 1, BP)), (C, 1, BP)).astype(ct.float32)
+    w = ct.load(W, (h, 0, pb), (1, R, BP)).astype(ct.float32)
+    return ct.reshape(x * w, (C * R, BP))
+
+
+def _dy(DOUT, PHI, Z, ZETA, b, h, c, pb, C, R, BP, HAS_Z, REDUCE_O):
+    """dL/dy of chunk c's fused rows, columns block pb: [F, BP] fp32."""
+    if REDUCE_O:
+        d = _fuse(DOUT, PHI, b, h, c, pb, C, R, BP)
+    else:
+        d = ct.reshape(ct.load(DOUT, (b, c, 0, h, pb), (1, C, R, 1, BP)), (C * R, BP)).astype(ct.float32)
+    if HAS_Z:
+        zz = _fuse(Z, ZETA, b, h, c, pb, C, R, BP)
+        d = d * zz / (1.0 + ct.exp(-zz))
+    return d
+
+
+def _half(X, XB, b, c, g, h, jb, C, R, BJ):
+    """Biased q or k (X [B, S, R, G, N], XB [H, R, N]) of chunk c on the pair-block tile jb: [F, BJ] fp32."""
+    x = ct.reshape(ct.load(X, (b, c, 0, g, jb), (1, C, R, 1, BJ)), (C, R, BJ)).astype(ct.float32)
+    bias = ct.load(XB, (h, 0, jb), (1, R, BJ)).astype(ct.float32)
+    return ct.reshape(x + bias, (C * R, BJ))
+
+
+def _angles(ANG, b, c, h, jb, C, R, BJ, NR):
+    """cos, sin [F, BJ] of the pairs jb*BJ .. jb*BJ + BJ - 1 (angle 0 past NR)."""
+    last = (NR - 1) // BJ
+    a = ct.reshape(ct.load(ANG, (b, c, h, min(jb, last)), (1, C, 1, BJ), padding_mode=ZERO), (C, 1, BJ))
+    jj = ct.reshape(ct.arange(BJ, dtype=ct.int32) + jb * BJ, (1, 1, BJ))
+    a = ct.where(jj < NR, a, 0.0)
+    a = ct.reshape(ct.broadcast_to(a, (C, R, BJ)), (C * R, BJ))
+    return ct.cos(a), ct.sin(a)
+
+
+def _rot(lo, hi, cos, sin):
+    return lo * cos - hi * sin, lo * sin + hi * cos
+
+
+def _gates(DT, TRAP, DAR, b, h, c, C, R):
+    """gamma, factor and exp(DA_CS_REV) per fused row: [F, 1] fp32 each."""
+    dt = _steps(DT, b, h, c, C)
+    gamma = dt / (1.0 + ct.exp(-_steps(TRAP, b, h, c, C)))
+    nxt = ct.arange(C, dtype=ct.int32) + (c * C + 1)
+    # The step after each step (it crosses into the next chunk); zero past S, as the model defines.
+    dt_n = ct.gather(DT, (b, h, nxt)).astype(ct.float32)
+    trap_n = ct.gather(TRAP, (b, h, nxt)).astype(ct.float32)
+    factor = gamma + dt_n / (1.0 + ct.exp(trap_n))
+    return _rows(gamma, C, R), _rows(factor, C, R), _rows(ct.exp(_steps(DAR, b, h, c, C)), C, R)
+
+
+def _expand(x, C, R):
+    """[C, C] per step pair -> [F, F] over fused rows and columns."""
+    return ct.reshape(ct.broadcast_to(ct.reshape(x, (C, 1, C, 1)), (C, R, C, R)), (C * R, C * R))
+
+
+def _decay(SEG, b, h, c, C, R):
+    """exp(SEGSUM[t, s]) in (key s, query t) orientation, s < t only, over fused rows: [F, F] fp32."""
+    seg = ct.reshape(ct.load(SEG, (b, h, c, 0, 0), (1, 1, 1, C, C), order=(0, 1, 2, 4, 3)), (C, C))
+    ts = ct.reshape(ct.arange(C, dtype=ct.int32), (C, 1))
+    tt = ct.reshape(ct.arange(C, dtype=ct.int32), (1, C))
+    return _expand(ct.where(ts < tt, ct.exp(seg.astype(ct.float32)), 0.0), C, R)
+
+
+def _same(C, R):
+    """[F, F] mask of the same-step (block-diagonal R x R) entries."""
+    f = ct.arange(C * R, dtype=ct.int32) // R
+    return ct.reshape(f, (C * R, 1)) == ct.reshape(f, (1, C * R))
+
+
+def _cell(X, b, h, c, jb, pb, BJ, BP):
+    """Tile (jb, pb) of chunk c of a [B, H, nc, N, P] state tensor: [BJ, BP]."""
+    return ct.reshape(ct.load(X, (b, h, c, jb, pb), (1, 1, 1, BJ, BP)), (BJ, BP))
+
+
+# --------------------------------------------------------------------------------------------
+# kernels
+
+
+def _scan(Q, QB, ANG, DA, DOUT, PHI, Z, ZETA, DS,
+          HG: K_, N: K_, P: K_, R: K_, C: K_, NR: K_, BJ: K_, BP: K_, HAS_Z: B_, REDUCE_O: B_):
+    """dS_c for every chunk c (the gradient of the state leaving chunk c; zero for the last)."""
+    F = C * R
+    NHB = N // 2 // BJ
+    NPB = P // BP
+    NC = Q.shape[1] // C
+    tile = ct.bid(0)
+    h = ct.bid(1)
+    b = ct.bid(2)
+    jb = tile // NPB
+    pb = tile % NPB
+    g = h // HG
+    dt = Q.dtype
+    run_lo = ct.zeros((BJ, BP), dtype=ct.float32)
+    run_hi = ct.zeros((BJ, BP), dtype=ct.float32)
+    for i in range(NC):
+        c = NC - 1 - i
+        ct.store(DS, (b, h, c, jb, pb), ct.reshape(run_lo, (1, 1, 1, BJ, BP)).astype(DS.dtype))
+        ct.store(DS, (b, h, c, NHB + jb, pb), ct.reshape(run_hi, (1, 1, 1, BJ, BP)).astype(DS.dtype))
+        q_lo = _half(Q, QB, b, c, g, h, jb, C, R, BJ)
+        q_hi = _half(Q, QB, b, c, g, h, NHB + jb, C, R, BJ)
+        cos, sin = _angles(ANG, b, c, h, jb, C, R, BJ, NR)
+        qh_lo, qh_hi = _rot(q_lo, q_hi, cos, sin)
+        da = _steps(DA, b, h, c, C)
+        dye = (_dy(DOUT, PHI, Z, ZETA, b, h, c, pb, C, R, BP, HAS_Z, REDUCE_O) * _rows(ct.exp(da), C, R)).astype(dt)
+        a_last = ct.exp(ct.gather(DA, (b, h, c * C + C - 1)))
+        run_lo = ct.mma(ct.transpose(qh_lo.astype(dt)), dye, a_last * run_lo)
+        run_hi = ct.mma(ct.transpose(qh_hi.astype(dt)), dye, a_last * run_hi)
+
+
+def _chunk_k(Q, K, QB, KB, V, PSI, ANG, DA, DAR, DT, TRAP, SEG, DOUT, PHI, Z, ZETA, STATES, DS,
+             DQ, DK, DANG, ROW_WS, DDA_WS,
+             HG: K_, N: K_, P: K_, R: K_, C: K_, NR: K_, BJ: K_, BP: K_, HAS_Z: B_, REDUCE_O: B_):
+    """Key / query side of one chunk on BJ rotary pairs."""
+    F = C * R
+    NHB = N // 2 // BJ
+    pid = ct.bid(0)
+    h = ct.bid(1)
+    b = ct.bid(2)
+    c = pid // NHB
+    jb = pid % NHB
+    g = h // HG
+    dt = Q.dtype
+    dkq = ct.zeros((F, F), dtype=ct.float32)          # PsiV_s . dy_t
+    dks_lo = ct.zeros((F, BJ), dtype=ct.float32)      # PsiV dS^T
+    dks_hi = ct.zeros((F, BJ), dtype=ct.float32)
+    dqs_lo = ct.zeros((F, BJ), dtype=ct.float32)      # dy STATES^T
+    dqs_hi = ct.zeros((F, BJ), dtype=ct.float32)
+    dda = ct.zeros((BJ, BP), dtype=ct.float32)        # STATES * dS, summed at the end
+    for pb in range(P // BP):
+        psiv = _fuse(V, PSI, b, h, c, pb, C, R, BP).astype(dt)
+        dy16 = _dy(DOUT, PHI, Z, ZETA, b, h, c, pb, C, R, BP, HAS_Z, REDUCE_O).astype(dt)
+        ds_lo = _cell(DS, b, h, c, jb, pb, BJ, BP)
+        ds_hi = _cell(DS, b, h, c, NHB + jb, pb, BJ, BP)
+        st_lo = _cell(STATES, b, h, c, jb, pb, BJ, BP)
+        st_hi = _cell(STATES, b, h, c, NHB + jb, pb, BJ, BP)
+        dda = dda + st_lo.astype(ct.float32) * ds_lo.astype(ct.float32) + \
+            st_hi.astype(ct.float32) * ds_hi.astype(ct.float32)
+        dkq = ct.mma(psiv, ct.transpose(dy16), dkq)
+        dks_lo = ct.mma(psiv, ct.transpose(ds_lo.astype(dt)), dks_lo)
+        dks_hi = ct.mma(psiv, ct.transpose(ds_hi.astype(dt)), dks_hi)
+        dqs_lo = ct.mma(dy16, ct.transpose(st_lo.astype(dt)), dqs_lo)
+        dqs_hi = ct.mma(dy16, ct.transpose(st_hi.astype(dt)), dqs_hi)
+    a_last = ct.exp(ct.gather(DA, (b, h, c * C + C - 1)))
+    ct.store(DDA_WS, (b, h, c, jb), ct.reshape(a_last * ct.sum(dda), (1, 1, 1, 1)))
+
+    gamma, factor, er = _gates(DT, TRAP, DAR, b, h, c, C, R)
+    dqk = ct.where(_same(C, R), ct.transpose(dkq) * gamma, 0.0).astype(dt)   # same-step dL/d(q_{t,o}.k_{t,i})
+    dkq_m = (dkq * _decay(SEG, b, h, c, C, R)).astype(dt)
+    q_lo = _half(Q, QB, b, c, g, h, jb, C, R, BJ)
+    q_hi = _half(Q, QB, b, c, g, h, NHB + jb, C, R, BJ)
+    k_lo = _half(K, KB, b, c, g, h, jb, C, R, BJ)
+    k_hi = _half(K, KB, b, c, g, h, NHB + jb, C, R, BJ)
+    cos, sin = _angles(ANG, b, c, h, jb, C, R, BJ, NR)
+    qh_lo, qh_hi = _rot(q_lo, q_hi, cos, sin)
+    kr_lo, kr_hi = _rot(k_lo, k_hi, cos, sin)
+    kh_lo = (kr_lo * factor).astype(dt)
+    kh_hi = (kr_hi * factor).astype(dt)
+
+    # Row sums over this program's pairs, [3, C] per (chunk, pair block): DDA_CS_REV, DFACTOR, DDA_CS.
+    rev = _group(ct.sum(kh_lo.astype(ct.float32) * dks_lo + kh_hi.astype(ct.float32) * dks_hi, axis=1), C, R)
+    ct.store(ROW_WS, (b, h, c, jb, 0, 0), ct.reshape(rev, (1, 1, 1, 1, 1, C)))
+    dkh_lo = ct.mma(dkq_m, qh_lo.astype(dt), er * dks_lo)
+    dkh_hi = ct.mma(dkq_m, qh_hi.astype(dt), er * dks_hi)
+    fac = _group(ct.sum(kr_lo * dkh_lo + kr_hi * dkh_hi, axis=1), C, R)
+    ct.store(ROW_WS, (b, h, c, jb, 1, 0), ct.reshape(fac, (1, 1, 1, 1, 1, C)))
+    dkr_lo = dkh_lo * factor
+    dkr_hi = dkh_hi * factor
+    cs = _group(ct.sum(qh_lo * dqs_lo + qh_hi * dqs_hi, axis=1), C, R)
+    ct.store(ROW_WS, (b, h, c, jb, 2, 0), ct.reshape(cs, (1, 1, 1, 1, 1, C)))
+    ea = _rows(ct.exp(_steps(DA, b, h, c, C)), C, R)
+    dkq_mt = ct.transpose(dkq_m)
+    dqh_lo = ct.mma(dkq_mt, kh_lo, ea * dqs_lo)
+    dqh_hi = ct.mma(dkq_mt, kh_hi, ea * dqs_hi)
+
+    # Angle gradient of the pairs (k and q paths, summed over the ranks); a block wholly past NR has none.
+    dang = dkr_lo * (-k_lo * sin - k_hi * cos) + dkr_hi * (k_lo * cos - k_hi * sin) + \
+        dqh_lo * (-q_lo * sin - q_hi * cos) + dqh_hi * (q_lo * cos - q_hi * sin)
+    dang = ct.sum(ct.reshape(dang, (C, R, BJ)), axis=1)
+    if jb * BJ < NR:
+        ct.store(DANG, (b, c, h, jb), ct.reshape(dang, (1, C, 1, BJ)))
+
+    # DK, DQ: the rotary transpose plus the same-step products with the unrotated biased q, k.
+    dqk_t = ct.transpose(dqk)
+    dk_lo = ct.mma(dqk_t, q_lo.astype(dt), dkr_lo * cos + dkr_hi * sin)
+    dk_hi = ct.mma(dqk_t, q_hi.astype(dt), dkr_hi * cos - dkr_lo * sin)
+    dq_lo = ct.mma(dqk, k_lo.astype(dt), dqh_lo * cos + dqh_hi * sin)
+    dq_hi = ct.mma(dqk, k_hi.astype(dt), dqh_hi * cos - dqh_lo * sin)
+    ct.store(DK, (b, c, h, jb), ct.reshape(dk_lo, (1, F, 1, BJ)).astype(DK.dtype))
+    ct.store(DK, (b, c, h, NHB + jb), ct.reshape(dk_hi, (1, F, 1, BJ)).astype(DK.dtype))
+    ct.store(DQ, (b, c, h, jb), ct.reshape(dq_lo, (1, F, 1, BJ)).astype(DQ.dtype))
+    ct.store(DQ, (b, c, h, NHB + jb), ct.reshape(dq_hi, (1, F, 1, BJ)).astype(DQ.dtype))
+
+
+def _chunk_v(Q, K, QB, KB, V, PSI, ANG, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, ZETA, DPARAM, DS,
+             ROW_WS, DDA_WS, DV, DFACTOR, DGAMMA, DDA, DDA_CS, DDA_CS_REV, DSSDA, DPSI_WS, DD_WS,
+             HG: K_, N: K_, P: K_, R: K_, C: K_, NR: K_, BJ: K_, BP: K_, NKB: K_, HAS_Z: B_, HAS_D: B_,
+             REDUCE_O: B_):
+    """Value side of one chunk (NKB: the key side's pair blocks, whose partials it sums)."""
+    F = C * R
+    NHB = N // 2 // BJ
+    c = ct.bid(0)
+    h = ct.bid(1)
+    b = ct.bid(2)
+    g = h // HG
+    dt = Q.dtype
+    gamma, factor, er = _gates(DT, TRAP, DAR, b, h, c, C, R)
+    # Same-step q.k products (biased, before rotary) as a block-diagonal [F, F]: [(t, o), (t, i)].
+    qkd = ct.reshape(ct.load(QKD, (b, h, c, 0, 0), (1, 1, C, R, R)), (C, R, 1, R)).astype(ct.float32)
+    tc = ct.arange(C, dtype=ct.int32)
+    eye = ct.reshape(tc, (C, 1, 1, 1)) == ct.reshape(tc, (1, 1, C, 1))
+    diag = ct.reshape(ct.where(ct.broadcast_to(eye, (C, R, C, R)), ct.broadcast_to(qkd, (C, R, C, R)), 0.0),
+                      (F, F))
+    diag_t = ct.transpose(diag * gamma).astype(dt)
+
+    lkq = ct.zeros((F, F), dtype=ct.float32)          # k_hat_s . q_hat_t over N, BJ pairs at a time
+    for jb in range(NHB):
+        cos, sin = _angles(ANG, b, c, h, jb, C, R, BJ, NR)
+        qh_lo, qh_hi = _rot(_half(Q, QB, b, c, g, h, jb, C, R, BJ), _half(Q, QB, b, c, g, h, NHB + jb, C, R, BJ),
+                            cos, sin)
+        kr_lo, kr_hi = _rot(_half(K, KB, b, c, g, h, jb, C, R, BJ), _half(K, KB, b, c, g, h, NHB + jb, C, R, BJ),
+                            cos, sin)
+        lkq = ct.mma((kr_lo * factor).astype(dt), ct.transpose(qh_lo.astype(dt)), lkq)
+        lkq = ct.mma((kr_hi * factor).astype(dt), ct.transpose(qh_hi.astype(dt)), lkq)
+    lkq_m = (lkq * _decay(SEG, b, h, c, C, R)).astype(dt)
+
+    dkq = ct.zeros((F, F), dtype=ct.float32)          # PsiV_s . dy_t
+    dd = ct.zeros((F, BP), dtype=ct.float32)
+    dpar = ct.gather(DPARAM, h).astype(ct.float32)
+    for pb in range(P // BP):
+        v = ct.reshape(ct.load(V, (b, c, h, pb), (1, C, 1, BP)), (C, 1, BP)).astype(ct.float32)
+        psi = ct.load(PSI, (h, 0, pb), (1, R, BP)).astype(ct.float32)
+        psiv = ct.reshape(v * psi, (F, BP))
+        dy = _dy(DOUT, PHI, Z, ZETA, b, h, c, pb, C, R, BP, HAS_Z, REDUCE_O)
+        dy16 = dy.astype(dt)
+        # k_hat dS_c over N, k_hat recomputed BJ pairs at a time.
+        khds = ct.zeros((F, BP), dtype=ct.float32)
+        for jb in range(NHB):
+            cos, sin = _angles(ANG, b, c, h, jb, C, R, BJ, NR)
+            kr_lo, kr_hi = _rot(_half(K, KB, b, c, g, h, jb, C, R, BJ),
+                                _half(K, KB, b, c, g, h, NHB + jb, C, R, BJ), cos, sin)
+            khds = ct.mma((kr_lo * factor).astype(dt), _cell(DS, b, h, c, jb, pb, BJ, BP).astype(dt), khds)
+            khds = ct.mma((kr_hi * factor).astype(dt), _cell(DS, b, h, c, NHB + jb, pb, BJ, BP).astype(dt),
+                          khds)
+        dpsiv = ct.mma(diag_t, dy16, ct.mma(lkq_m, dy16, er * khds))
+        if HAS_D:
+            dpsiv = dpsiv + dpar * dy
+            dd = dd + dy * psiv
+        d3 = ct.reshape(dpsiv, (C, R, BP))
+        dv = ct.sum(d3 * psi, axis=1)
+        ct.store(DV, (b, c, h, pb), ct.reshape(dv, (1, C, 1, BP)).astype(DV.dtype))
+        ct.store(DPSI_WS, (b, h, c, 0, pb), ct.reshape(ct.sum(d3 * v, axis=0), (1, 1, 1, R, BP)))
+        dkq = ct.mma(psiv.astype(dt), ct.transpose(dy16), dkq)
+    if HAS_D:
+        ct.store(DD_WS, (b, h, c), ct.reshape(ct.sum(dd), (1, 1, 1)))
+
+    ssda = ct.sum(ct.sum(ct.reshape(lkq * dkq, (C, R, C, R)), axis=3), axis=1)
+    ct.store(DSSDA, (b, h, c, 0, 0), ct.reshape(ssda, (1, 1, 1, C, C)))
+    dg = _group(ct.sum(diag * ct.transpose(dkq), axis=1), C, R)
+    ct.store(DGAMMA, (b, h, c), ct.reshape(dg, (1, 1, C)))
+    # DDA on every step of the chunk, and the row sums over the key side's pair blocks.
+    dda = ct.sum(ct.load(DDA_WS, (b, h, c, 0), (1, 1, 1, NKB)))
+    ct.store(DDA, (b, h, c), ct.broadcast_to(ct.reshape(dda, (1, 1, 1)), (1, 1, C)))
+    rows = ct.sum(ct.reshape(ct.load(ROW_WS, (b, h, c, 0, 0, 0), (1, 1, 1, NKB, 4, C), padding_mode=ZERO),
+                             (NKB, 4, C)), axis=0)
+    ct.store(DDA_CS_REV, (b, h, c), ct.reshape(ct.extract(rows, (0, 0), (1, C)), (1, 1, C)))
+    ct.store(DFACTOR, (b, h, c), ct.reshape(ct.extract(rows, (1, 0), (1, C)), (1, 1, C)))
+    ct.store(DDA_CS, (b, h, c), ct.reshape(ct.extract(rows, (2, 0), (1, C)), (1, 1, C)))
+
+
+def _reduce(DPSI_WS, DD_WS, DPSI, DD, R: K_, P: K_, HAS_D: B_):
+    """DMIMO_V and DD of (b, h): the per-chunk partials summed in chunk order."""
+    h = ct.bid(0)
+    b = ct.bid(1)
+    NC = DD_WS.shape[2]
+    acc = ct.zeros((R, P), dtype=ct.float32)
+    dd = ct.zeros((1, 1), dtype=ct.float32)
+    for c in range(NC):
+        acc = acc + ct.reshape(ct.load(DPSI_WS, (b, h, c, 0, 0), (1, 1, 1, R, P)), (R, P))
+        if HAS_D:
+            dd = dd + ct.reshape(ct.load(DD_WS, (b, h, c), (1, 1, 1)), (1, 1))
+    ct.store(DPSI, (b, h, 0, 0), ct.reshape(acc, (1, 1, R, P)))
+    if HAS_D:
+        ct.store(DD, (b, h), dd)
+
+
+_BODIES = {"scan": _scan, "key": _chunk_k, "value": _chunk_v, "reduce": _reduce}
+_KERNELS: dict = {}
+
+
+def _kernel(name: str, config: dict):
+    hints = tuple((k, config[k] or None) for k in ("num_worker_warps", "occupancy"))
+    key = (name, hints)
+    if key not in _KERNELS:
+        _KERNELS[key] = ct.kernel(_BODIES[name], **dict(hints))
+    return _KERNELS[key]
+
+
+# --------------------------------------------------------------------------------------------
+# rules
+
+
+def _pow2(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0 and not v & (v - 1)
+
+
+def config_reason(config: dict, shape: dict) -> str | None:
+    """Shapes the lane cannot take and configs that do not divide the shape (typed, never computed)."""
+    c = {**DEFAULTS, **config}
+    if shape["dtype"] not in DTYPES:
+        return f"dtype {shape['dtype']} not supported (have {', '.join(DTYPES)})"
+    N, P, C, R = shape["N"], shape["P"], shape["C"], shape["R"]
+    nh, F = N // 2, C * R
+    if not (_pow2(nh) and nh >= 16):
+        return f"N={N}: the lane needs N/2 a power of two >= 16 (cuTile tile sides; ct.mma contracts over rotary halves)"
+    if not (_pow2(C) and _pow2(F) and F >= 16):
+        return f"C={C}, R={R}: the lane needs C and C*R powers of two with C*R >= 16 (cuTile tile sides, ct.mma sizes)"
+    if not (_pow2(P) and P >= 16):
+        return f"P={P}: the lane needs P a power of two >= 16"
+    for key, dim, name in (("SCAN_BJ", nh, "N/2"), ("SCAN_BP", P, "P"), ("KEY_BJ", nh, "N/2"), ("KEY_BP", P, "P"),
+                           ("VALUE_BJ", nh, "N/2"), ("BLOCK_P", P, "P")):
+        v = c[key]
+        if not (_pow2(v) and 16 <= v <= dim):
+            return f"{key}={v} must be a power of two in [16, {name}={dim}]"
+    if c["num_worker_warps"] not in (0, 4, 8):
+        return f"num_worker_warps={c['num_worker_warps']} must be 0 (auto), 4 or 8 (TileIR 13.4)"
+    if not (isinstance(c["occupancy"], int) and 0 <= c["occupancy"] <= 32):
+        return f"occupancy={c['occupancy']} must be 0 (auto) or in [1, 32]"
+    B, S, H, G, _, _, _, _, nc, _ = m3.dims(shape)
+    if max(B * H * nc * N * P, B * S * R * H * max(N, P), B * H * nc * C * C) >= 2**31:
+        return "arrays of 2^31 or more elements need int64 indexing, which this lane does not specialize"
+    return None
+
+
+def smem_estimate(config: dict, shape: dict, target: str) -> int | None:
+    """Shared memory per CTA, bytes: an upper bound, the target's opt-in per-block limit.
+
+    tileiras, not the kernel, decides what goes through shared memory (layout conversions between the
+    mma fragments and the elementwise tiles, transposed operands, load staging) and sizes it to the
+    target, as for the cuTile GEMM lane; ``compile_for`` reads the exact figure from the cubin and the
+    tests hold compiled <= this bound.
+    """
+    return _targets.smem_optin(target)
+
+
+# --------------------------------------------------------------------------------------------
+# AOT signatures
+
+
+def _array(dtype: str, dims: tuple):
+    """The ArrayConstraint the cuTile 1.7.0 JIT derives for a contiguous, 16-byte aligned tensor (as in
+    kernels/cutile/m2rnn_fwd.py)."""
+    from cuda.tile.compilation import ArrayConstraint
+    elem = _ELEM[dtype]
+    strides = [1] * len(dims)
+    for i in range(len(dims) - 2, -1, -1):
+        strides[i] = strides[i + 1] * dims[i + 1]
+    return ArrayConstraint(_CT[dtype], len(dims), index_dtype=ct.int32, stride_lower_bound_incl=0,
+                           alias_groups=(), may_alias_internally=False,
+                           stride_constant=(None,) * (len(dims) - 1) + (1,),
+                           stride_divisible_by=tuple(16 // elem if s * elem % 16 == 0 else 1 for s in strides),
+                           shape_divisible_by=tuple(16 if d % 16 == 0 else 1 for d in dims),
+                           base_addr_divisible_by=16)
+
+
+def _layouts(config: dict, shape: dict) -> dict:
+    """(dtype, dims) of every array argument, by name, as build passes them."""
+    B, S, H, G, N, P, R, C, nc, nr = m3.dims(shape)
+    e, f = shape["dtype"], "float32"
+    nkb = N // 2 // config["KEY_BJ"]
+    dout = (B, S, H, P) if shape["reduceO"] else (B, S, R, H, P)
+    return {"Q": (e, (B, S, R, G, N)), "K": (e, (B, S, R, G, N)), "QB": (f, (H, R, N)), "KB": (f, (H, R, N)),
+            "V": (e, (B, S, H, P)), "PSI": (f, (H, R, P)), "PHI": (f, (H, R, P)), "ANG": (f, (B, S, H, nr)),
+            "DA": (f, (B, H, S)), "DAR": (f, (B, H, S)), "DT": (f, (B, H, S)), "TRAP": (e, (B, H, S)),
+            "SEG": (f, (B, H, nc, C, C)), "DOUT": (e, dout), "Z": (e, (B, S, H, P)), "ZETA": (f, (H, R, P)),
+            "STATES": ("bfloat16", (B, H, nc, N, P)), "DS": (e, (B, H, nc, N, P)), "QKD": (e, (B, H, S, R, R)),
+            "DPARAM": (f, (H,)), "DQ": (e, (B, S * R, H, N)), "DK": (e, (B, S * R, H, N)), "DV": (e, (B, S, H, P)),
+            "DANG": (f, (B, S, H, nr)), "ROW_WS": (f, (B, H, nc, nkb, 4, C)), "DDA_WS": (f, (B, H, nc, nkb)),
+            "DPSI_WS": (f, (B, H, nc, R, P)), "DD_WS": (f, (B, H, nc)), "DPSI": (f, (B, H, R, P)),
+            "DD": (f, (B, H)), **{k: (f, (B, H, S)) for k in ("DFACTOR", "DGAMMA", "DDA", "DDA_CS", "DDA_CS_REV")},
+            "DSSDA": (f, (B, H, nc, C, C))}
+
+
+def _params(name: str) -> list[str]:
+    import inspect
+    return [p for p in inspect.signature(_BODIES[name]).parameters]
+
+
+def _consts(name: str, config: dict, shape: dict) -> list:
+    """Compile-time arguments of a kernel, in its parameter order."""
+    B, S, H, G, N, P, R, C, nc, nr = m3.dims(shape)
+    z, o = bool(shape["hasZ"]), bool(shape["reduceO"])
+    base = [H // G, N, P, R, C, nr]
+    if name == "scan":
+        return base + [config["SCAN_BJ"], config["SCAN_BP"], z, o]
+    if name == "key":
+        return base + [config["KEY_BJ"], config["KEY_BP"], z, o]
+    if name == "value":
+        return base + [config["VALUE_BJ"], config["BLOCK_P"], N // 2 // config["KEY_BJ"], z, bool(shape["hasD"]), o]
+    return [R, P, bool(shape["hasD"])]
+
+
+def _signature(name: str, config: dict, shape: dict):
+    from cuda.tile.compilation import CallingConvention, KernelSignature
+    lay = _layouts(config, shape)
+    consts = _consts(name, config, shape)
+    arrays = [_array(*lay[p]) for p in _params(name)[:len(_params(name)) - len(consts)]]
+    return KernelSignature(arrays + consts, CallingConvention.cutile_python_v1())
+
+
+def compile_cubins(config: dict, shape: dict, target: str) -> dict:
+    return {name: export_cubin(_kernel(name, config), _signature(name, config, shape), _gpu_code(target))
+            for name in KERNELS}
+
+
+def compile_for(config: dict, shape: dict, target: str) -> dict:
+    """The four kernels for ``target`` (no GPU); smem_bytes / registers are the largest of them."""
+    config = {**DEFAULTS, **config}
+    reason = eligibility(target) or config_reason(config, shape)
+    if reason:
+        raise ValueError(reason)
+    per = {}
+    t0 = time.perf_counter()
+    for name in KERNELS:
+        t1 = time.perf_counter()
+        cubin = export_cubin(_kernel(name, config), _signature(name, config, shape), _gpu_code(target))
+        per[name] = {**cubin_resources(cubin), "compile_s": time.perf_counter() - t1}
+    return {"smem_bytes": max(v["smem_bytes"] for v in per.values()),
+            "registers": max(v["registers"] or 0 for v in per.values()) or None,
+            "stack_bytes": max(v["stack_bytes"] or 0 for v in per.values()),
+            "compile_s": time.perf_counter() - t0, "binary": "cubin", "kernels": per}
+
+
+# --------------------------------------------------------------------------------------------
+# launch
+
+
+def build(config: dict, shape: dict):
+    """``run(inputs, outputs)``: the four launches on the current stream (each kernel JIT-compiled by cuTile
+    on its first call and cached by signature). Returns the value-side kernel's launched resources."""
+    config = {**DEFAULTS, **config}
+    why = config_reason(config, shape)
+    if why:
+        raise ValueError(why)
+    B, S, H, G, N, P, R, C, nc, nr = m3.dims(shape)
+    kern = {name: _kernel(name, config) for name in KERNELS}
+    consts = {name: _consts(name, config, shape) for name in KERNELS}
+    scan_tiles = (N // 2 // config["SCAN_BJ"]) * (P // config["SCAN_BP"])
+    nkb = N // 2 // config["KEY_BJ"]
+    work: dict = {}
+    info: dict = {}
+
+    def run(inputs, outputs):
+        i, o = inputs, outputs
+        dev = i["Q"].device
+        if work.get("dev") != dev:
+            f32 = {"dtype": torch.float32, "device": dev}
+            work.update(dev=dev, ds=torch.empty(B, H, nc, N, P, dtype=i["Q"].dtype, device=dev),
+                        dda=torch.empty(B, H, nc, nkb, **f32),
+                        # [.., 4, C]: three row sums and one unused row (tile sides are powers of two)
+                        rows=torch.zeros(B, H, nc, nkb, 4, C, **f32),
+                        dpsi=torch.empty(B, H, nc, R, P, **f32), dd=torch.empty(B, H, nc, **f32),
+                        dd_out=torch.empty(B, H, **f32), d=torch.zeros(H, **f32))
+        w = work
+        z, zeta = (i["Z"], i["MIMO_Z"]) if shape["hasZ"] else (i["V"], i["MIMO_V"])   # not read without Z
+        dpar = i["D"] if shape["hasD"] else w["d"]
+        dd_out = o["DD"] if shape["hasD"] else w["dd_out"]
+        stream = torch.cuda.current_stream()
+        launches = [
+            ("scan", (scan_tiles, H, B), (i["Q"], i["Q_BIAS"], i["ANGLES"], i["DA_CS"], i["DOUT"], i["MIMO_O"], z, zeta,
+                                          w["ds"])),
+            ("key", (nc * nkb, H, B), (i["Q"], i["K"], i["Q_BIAS"], i["K_BIAS"], i["V"], i["MIMO_V"], i["ANGLES"],
+                                       i["DA_CS"], i["DA_CS_REV"], i["DT"], i["TRAP"], i["SEGSUM"], i["DOUT"],
+                                       i["MIMO_O"], z, zeta, i["STATES"], w["ds"], o["DQ"], o["DK"], o["DANGLES"],
+                                       w["rows"], w["dda"])),
+            ("value", (nc, H, B), (i["Q"], i["K"], i["Q_BIAS"], i["K_BIAS"], i["V"], i["MIMO_V"], i["ANGLES"],
+                                   i["DA_CS_REV"], i["DT"], i["TRAP"], i["QK_DOT"], i["SEGSUM"], i["DOUT"], i["MIMO_O"],
+                                   z, zeta, dpar, w["ds"], w["rows"], w["dda"], o["DV"], o["DFACTOR"],
+                                   o["DGAMMA_DIAG"], o["DDA"], o["DDA_CS"], o["DDA_CS_REV"], o["DSSDA"], w["dpsi"],
+                                   w["dd"])),
+            ("reduce", (H, B, 1), (w["dpsi"], w["dd"], o["DMIMO_V"], dd_out)),
+        ]
+        for name, grid, arrays in launches:
+            args = tuple(arrays) + tuple(consts[name])
+            ct.launch(stream, grid, kern[name], args)
+        if not info:
+            name, _, arrays = launches[2]
+            info.update(_launch_info(kern[name], tuple(arrays) + tuple(consts[name])))
+            info["launches"] = len(launches)
+        return info
+
+    return run
+
+
+def seed_for(shape: dict) -> dict:
+    """The config the lane's tests compile at a named shape (the defaults; they fit sm_121a's 101,376 B at
+    every named shape, tests/test_cutile_mamba.py)."""
+    return dict(DEFAULTS)
+
+
+# Compiled shared memory (bytes, the largest of the four kernels) of ``seed_for(shape)`` at the named shapes
+# (sweeps/mamba_bwd_bwd/shapes.toml), read from the tileiras cubins (cuda-tile 1.7.0, 2026-11-25): the
+# value side is the largest on sm_90a, the key or the value side on sm_121a; the scan 16-42 KB, the reduce
+# none. tileiras gave the scan 255 registers and the chunk kernels 168 (no hint); local memory (spills)
+# 32-312 B per thread, up to ~1.5 KB in the chunk kernels at N = 128 with C <= 8 or R = 1.
+# tests/test_cutile_mamba.py compiles and compares (GB10 shape by default, the others under -m slow).
+SMEM = {
+    "h100_tuned": {"sm_90a": 221_064, "sm_121a": 92_460},
+    "anchor_b2": {"sm_90a": 145_600, "sm_121a": 91_940},
+    "training": {"sm_90a": 207_784, "sm_121a": 87_940},
+    "gb10": {"sm_90a": 145_600, "sm_121a": 91_940},
+    "grid_n32_p64_r4_c16": {"sm_90a": 108_296, "sm_121a": 87_196},
+    "grid_n128_p128_r4_c8": {"sm_90a": 150_488, "sm_121a": 81_388},
+    "grid_n128_p64_r8_c8": {"sm_90a": 213_368, "sm_121a": 93_604},
+    "grid_n128_p64_r2_c32": {"sm_90a": 212_520, "sm_121a": 86_116},
+    "grid_n128_p64_r1_c64": {"sm_90a": 204_984, "sm_121a": 94_316},
+    "gqa_plain_rd2": {"sm_90a": 141_704, "sm_121a": 96_660},
+}
