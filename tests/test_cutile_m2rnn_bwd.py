@@ -6,7 +6,6 @@ index arithmetic and the head broadcasting of both walks; not tileiras' lowering
 from __future__ import annotations
 
 import os
-import types
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from kernels.cutile import m2rnn_bwd as lane
 from lab import registry, space
 from lab.problems import _m2rnn as m2
 from lab.problems.m2rnn_bwd import PROBLEM
+from tests import cutile_standin as standin
 
 D = lane.DEFAULTS
 # The best recorded config of each shape, as the results tables hold it (a config recorded before a knob
@@ -260,98 +260,22 @@ def test_target_rules():
 
 # ---- the kernel bodies on torch -----------------------------------------------------------------
 
-def _fake_ct():
-    """Enough of cuda.tile's surface for the kernels, on CPU torch tensors (fp64 math)."""
-    f64 = torch.float64
-    t = types.SimpleNamespace()
-    t.Constant = type("Constant", (), {"__class_getitem__": classmethod(lambda cls, item: item)})
-    t.PaddingMode = types.SimpleNamespace(ZERO="zero")
-    t.RoundingMode = types.SimpleNamespace(APPROX="approx", FULL="full")
-    t.float32, t.tfloat32, t.bfloat16, t.int32 = f64, f64, torch.bfloat16, torch.int32
-    t.pid = (0, 0)
-    t.bid = lambda axis: t.pid[axis]
-    t.cdiv = lambda a, b: -(-a // b)
-
-    def _window(arr, index, shape, order):
-        """Array slices of the tile at grid ``index`` (tile axis j is array axis order[j])."""
-        order = order or tuple(range(len(shape)))
-        src = [None] * len(shape)
-        for j, a in enumerate(order):
-            src[a] = slice(index[j] * shape[j], min((index[j] + 1) * shape[j], arr.shape[a]))
-        return tuple(src), order
-
-    def load(arr, index, shape, order=None, padding_mode=None, **kw):
-        src, order = _window(arr, index, shape, order)
-        assert all(sl.stop > sl.start for sl in src), "tile wholly outside the array"
-        out = torch.zeros(shape, dtype=arr.dtype)
-        part = arr[src].permute(order)
-        out[tuple(slice(0, n) for n in part.shape)] = part
-        return out
-
-    def store(arr, index, tile, order=None, **kw):
-        dst, order = _window(arr, index, tile.shape, order)
-        assert all(sl.stop > sl.start for sl in dst), "tile wholly outside the array"
-        inv = [order.index(a) for a in range(len(order))]
-        part = tile.permute(inv)
-        arr[dst] = part[tuple(slice(0, sl.stop - sl.start) for sl in dst)].to(arr.dtype)
-
-    def extract(x, index, shape):
-        return x[tuple(slice(i * s, (i + 1) * s) for i, s in zip(index, shape))].clone()
-
-    def insert(x, index, value):
-        out = x.clone()
-        out[tuple(slice(i * s, (i + 1) * s) for i, s in zip(index, value.shape))] = value
-        return out
-
-    t.load, t.store, t.extract, t.insert = load, store, extract, insert
-    t.zeros = lambda shape, dtype: torch.zeros(shape, dtype=dtype)
-    t.arange = lambda n, dtype: torch.arange(n, dtype=dtype)
-    t.where = lambda c, x, y: torch.where(c, x, torch.as_tensor(y, dtype=x.dtype))
-    t.static_iter = lambda it: it
-    t.mma = lambda a, b, acc: a.to(f64) @ b.to(f64) + acc
-    t.tanh = lambda x, rounding_mode=None: torch.tanh(x)
-    t.transpose = lambda x: x.transpose(-1, -2)
-    t.permute = lambda x, axes: x.permute(axes)
-    t.sum = lambda x, axis=None, keepdims=False: x.sum() if axis is None else x.sum(axis, keepdim=keepdims)
-    return t
-
-
 def _emulated_lane():
-    src = Path(lane.__file__).read_text().replace("import cuda.tile as ct\n", "")
-    fake = _fake_ct()
-    ns = {"__name__": "_emulated_cutile_m2rnn_bwd", "ct": fake}
-    exec(compile(src, lane.__file__, "exec"), ns)
-    return ns, fake
+    return standin.emulated(lane)
 
 
 @pytest.fixture
 def tile_methods(monkeypatch):
     """Tile.astype on torch tensors, for the kernel bodies; torch.empty poisoned with NaN so that a read
     of a scratch element no launch wrote shows up; no CUDA stream on the CPU."""
-    monkeypatch.setattr(torch.Tensor, "astype", lambda self, dtype: self.to(dtype), raising=False)
-    full = torch.full
-    monkeypatch.setattr(torch, "empty", lambda *size, **kw: full(size, float("nan"), **kw))
-    stream = types.SimpleNamespace(wait_stream=lambda other: None, wait_event=lambda event: None)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda **kw: types.SimpleNamespace(**vars(stream)))
-    monkeypatch.setattr(torch.cuda, "Event", lambda: types.SimpleNamespace(record=lambda stream: None))
+    standin.patch_torch(monkeypatch)
 
 
 def _emulate(config, shape, inputs):
     """lane.build's own run (its launch schedule and buffer rotation) with ct.launch a loop over the
     programs, each kernel body run on torch."""
     ns, fake = _emulated_lane()
-    launches = []
-
-    def launch(stream, grid, kernel, args):
-        launches.append(kernel.__name__)
-        for pid in range(grid[0]):
-            for role in range(grid[1]):
-                fake.pid = (pid, role)
-                kernel(*args)
-
-    fake.launch = launch
-    fake.kernel = lambda fn, **kw: fn
+    launches = standin.record_launches(fake)
     run = ns["build"](config, shape)
     outputs = PROBLEM.alloc_outputs(shape, "cpu")
     info = run(inputs, outputs)
