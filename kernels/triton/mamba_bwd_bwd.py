@@ -524,7 +524,8 @@ def smem_kernels(config: dict, shape: dict, target: str) -> dict:
     # staged at a time, and with wgmma split over N the lkq accumulator's layout conversion. Its N
     # loop inside the P loop (wgmma split over N only; otherwise it stays below the first): three
     # such loads, lkq_m [F, F] and dy [F, BP] staged as operands, the k_hat operand [F, BJ] or the
-    # khds accumulator's conversion, and the dS operand [BJ, BP].
+    # khds accumulator's conversion, and the dS operand [BJ, BP]. With VALUE_BJ = N/2 the N loops
+    # take one step and this is an upper bound (smem_inexact).
     bj, bp, w = c["VALUE_BJ"], c["BLOCK_P"], c["chunk_warps"]
     on, split = wgmma(F, w)
     diag = e * F * F * (P > bp)
@@ -546,10 +547,12 @@ def smem_inexact(config: dict, shape: dict, target: str) -> set:
     out = set()
     if c["scan_stages"] == 1 or (bj > F if scan_wgmma else bj * F < max(bj, dy_rows) * bp):
         out.add("scan")           # a layout conversion's scratch (rounds per warp count) decides
-    if F < 32:
-        out.add("key")
+    if F < 32 or c["KEY_BP"] == shape["P"]:
+        out.add("key")            # C*R = 16: the P loop's buffers decide; one P step: its layouts change
     if F * F < 32 * c["chunk_warps"] and shape["P"] > c["BLOCK_P"]:
         out.add("value")          # diag_t has fewer values than threads: kept in registers (2 F F less)
+    if c["VALUE_BJ"] == shape["N"] // 2:
+        out.add("value")          # one-step N loops: no cp.async buffers there, the P loop decides
     return out
 
 
@@ -562,11 +565,14 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
 
     Equal to the compiler for sm_90a and sm_121a (tests/test_triton_mamba.py; probed over every tunable
     at C*R = 16, 32 and 64, spot-checked at 128) except where smem_inexact names a kernel; its figure
-    is then an upper bound: the scan at scan_stages = 1 or where its dS / dy layout conversion
-    outweighs the q_hat^T operand (that scratch depends on how many rounds the conversion takes: up
-    to 6 KB high with 2+ stages, 14 KB with one), the key side at C*R = 16, and the value side at
-    C*R = 16 with 16 warps and several P steps (512 B high). The largest figure is exact whenever the
-    kernel that gives it is exact: at the named shapes, always but for scan-bound configs at
+    is then an upper bound: the value side when VALUE_BJ = N/2 (its N loops take one step, so the
+    five cp.async buffers are gone and the P loop's buffers and layout conversions decide: measured
+    8-47 KB against the bound's 24-94 KB), or at C*R = 16 with 16 warps and several P steps (512 B
+    high); the scan at scan_stages = 1 or where its dS / dy layout conversion outweighs the q_hat^T
+    operand (that scratch depends on how many rounds the conversion takes: up to 6 KB high with 2+
+    stages, 14 KB with one); the key side at C*R = 16 or KEY_BP = P. The largest figure is exact
+    whenever the kernel that gives it is exact. At the named shapes that leaves VALUE_BJ = N/2 (every
+    config at grid_n32_p64_r4_c16, VALUE_BJ = 32 at the N = 64 shapes) and scan-bound configs at
     grid_n128_p128_r4_c8 (SCAN_BP >= 64). Not modelled: C*R >= 256 (over every device's limit), and
     C*R = 128 with chunk_warps = 4, which does not compile (Triton 3.6 layout error)."""
     return max(smem_kernels(config, shape, target).values())
