@@ -1,9 +1,12 @@
 """The Triton bwd_bwd lane: the harness's parity path under TRITON_INTERPRET=1 at small fp16 shapes (the
-interpreter's bf16 dot is broken), typed refusals, and ahead-of-time compiles for sm_90a / sm_121a."""
+interpreter's bf16 dot is broken), typed refusals, ahead-of-time compiles for sm_90a / sm_121a, and the
+shared-memory estimate against those compiles."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -16,6 +19,14 @@ from kernels.triton import mamba_bwd_bwd as lane
 
 ROOT = str(Path(__file__).resolve().parent.parent)
 GB10_LIMIT = 101_376
+TARGETS = ("sm_90a", "sm_121a")
+NAMED = list(space.load_shapes("mamba_bwd_bwd")[0])
+SPACE = space.load_space("mamba_bwd_bwd", "triton", lane.TUNABLES)
+# A config that fits GB10 close to its limit (the value side near 94 KB at C*R = 64 with VALUE_BJ = 32)
+# and takes estimate branches the seeds do not: 4-warp chunk kernels (no N split on sm_90a), one P step
+# at P = 64, KEY_BJ = 32, three scan stages. _fit cuts the blocks to the shape.
+NEAR_GB10 = {"SCAN_BJ": 32, "SCAN_BP": 64, "scan_warps": 4, "scan_stages": 3, "KEY_BJ": 32, "KEY_BP": 16,
+             "key_warps": 4, "VALUE_BJ": 32, "BLOCK_P": 64, "chunk_warps": 4, "chunk_stages": 2}
 
 BASE = {"B": 1, "S": 12, "H": 2, "G": 1, "N": 32, "P": 16, "R": 4, "C": 4, "rd": 4, "hasZ": True, "hasD": True,
         "reduceO": True, "dtype": "float16"}
@@ -77,13 +88,13 @@ def test_configs_that_do_not_fit_the_shape_are_refused(config, msg):
 
 @pytest.mark.parametrize("target,shape", [("sm_121a", n) for n in ("h100_tuned", "anchor_b2", "training", "gb10")]
                          + [("sm_90a", "h100_tuned")])
-def test_compiles_within_the_gb10_limit(target, shape):
+def test_compiles_within_the_gb10_limit(target, shape, compiled):
     """Every default shape has a config (the sweep file's first seed) whose four kernels compile for
     sm_121a within GB10's 101,376 B, and for sm_90a."""
     sh = space.get_shape("mamba_bwd_bwd", shape)
-    seed = space.load_space("mamba_bwd_bwd", "triton", lane.TUNABLES).seeds[0]
+    seed = SPACE.seeds[0]
     assert lane.config_reason(seed, sh) is None
-    res = lane.compile_for(seed, sh, target)
+    res = compiled(lane, seed, sh, target)
     assert set(res["kernels"]) == {"scan", "key", "value", "reduce"}
     assert 0 < res["smem_bytes"] <= GB10_LIMIT, res
 
@@ -92,3 +103,73 @@ def test_the_key_side_p_block_that_failed_on_the_gpu_is_refused():
     sh = space.get_shape("mamba_bwd_bwd", "h100_tuned")
     assert "KEY_BP=64" in (lane.config_reason({"KEY_BP": 64}, sh) or "")
     assert lane.config_reason({"KEY_BP": 32}, sh) is None
+
+
+def _fit(config: dict, shape: dict) -> dict:
+    """Blocks no larger than N/2, and VALUE_BJ below N/2 where N allows (one-step N loops on the value
+    side are estimated by an upper bound only)."""
+    nh = shape["N"] // 2
+    return {**config, "SCAN_BJ": min(config["SCAN_BJ"], nh), "KEY_BJ": min(config["KEY_BJ"], nh),
+            "VALUE_BJ": max(16, min(config["VALUE_BJ"], nh // 2))}
+
+
+def _check_estimate(config: dict, shape: dict, target: str, res: dict):
+    """Each kernel's estimate equals its compiled shared memory, or bounds it from above where the lane
+    says its figure is an upper bound; the preflight's figure (the largest) likewise."""
+    got = {k: v["smem_bytes"] for k, v in res["kernels"].items()}
+    est = lane.smem_kernels(config, shape, target)
+    bound = lane.smem_inexact(config, shape, target)
+    for k in got:
+        assert est[k] >= got[k] if k in bound else est[k] == got[k], (k, config, est, got, target)
+    top = max(est, key=est.get)
+    total = lane.smem_estimate(config, shape, target)
+    assert total >= res["smem_bytes"] if top in bound else total == res["smem_bytes"], (config, est, got)
+
+
+def _config(which: str, shape: dict) -> dict:
+    return {"seed0": SPACE.seeds[0], "seed1": SPACE.seeds[1], "near_gb10": _fit(NEAR_GB10, shape)}[which]
+
+
+# Every named shape x target x (both seeds, the GB10-fitting config) is a case; the default run keeps
+# those whose compile another test shares (test_compiles_within_the_gb10_limit: seed0) and one case per
+# estimate branch the others leave out: the near-limit config on both targets, seed1 (scan stages 3,
+# 2 warps, BLOCK_P 16), C*R = 32, N = 32 (one-step N loops), C = 64, the options off (gqa). The rest
+# repeat those paths at more shapes (slow).
+_DEFAULT_CASES = {("h100_tuned", "sm_121a", "seed0"), ("anchor_b2", "sm_121a", "seed0"),
+                  ("training", "sm_121a", "seed0"), ("gb10", "sm_121a", "seed0"), ("h100_tuned", "sm_90a", "seed0"),
+                  ("h100_tuned", "sm_121a", "near_gb10"), ("h100_tuned", "sm_90a", "near_gb10"),
+                  ("h100_tuned", "sm_121a", "seed1"), ("gqa_plain_rd2", "sm_90a", "seed1"),
+                  ("grid_n128_p128_r4_c8", "sm_90a", "seed0"), ("grid_n32_p64_r4_c16", "sm_90a", "seed0"),
+                  ("grid_n128_p64_r1_c64", "sm_90a", "seed0")}
+
+
+@pytest.mark.parametrize("shape,target,which", [
+    pytest.param(*case, marks=() if case in _DEFAULT_CASES else pytest.mark.slow)
+    for case in itertools.product(NAMED, TARGETS, ("seed0", "seed1", "near_gb10"))])
+def test_smem_estimate_equals_the_compiler(shape, target, which, compiled):
+    """Issue 22: the preflight's estimate is the compiler's figure (compile_for, Triton AOT) at every
+    named shape for sm_90a and sm_121a: the sweep's seeds, and a config close to GB10's limit that
+    compiles within it. At N = 32 (VALUE_BJ = N/2 is the only choice) the estimate is an upper bound."""
+    sh = space.get_shape("mamba_bwd_bwd", shape)
+    config = _config(which, sh)
+    assert lane.config_reason(config, sh) is None and SPACE.rule_reason(config) is None
+    res = compiled(lane, config, sh, target)
+    _check_estimate(config, sh, target, res)
+    est = lane.smem_kernels(config, sh, target)
+    assert sh["N"] == 32 or not lane.smem_inexact(config, sh, target) & {max(est, key=est.get)}, (config, est)
+    if which == "near_gb10":
+        assert res["smem_bytes"] <= GB10_LIMIT, res
+
+
+@pytest.mark.parametrize("target", ["sm_90a", pytest.param("sm_121a", marks=pytest.mark.slow)])
+def test_smem_estimate_on_random_configs(target, compiled):
+    """A seeded sample of the sweep space at gb10's shape: exact, or an upper bound where the lane says so."""
+    sh = space.get_shape("mamba_bwd_bwd", "gb10")
+    rng = random.Random(22)
+    picked = []
+    while len(picked) < 3:
+        config = {k: rng.choice(v) for k, v in SPACE.params.items()}
+        if lane.config_reason(config, sh) is None and SPACE.rule_reason(config) is None:
+            picked.append(config)
+    for config in picked:
+        _check_estimate(config, sh, target, compiled(lane, config, sh, target))

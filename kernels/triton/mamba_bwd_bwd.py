@@ -467,8 +467,115 @@ def build(config: dict, shape: dict):
     return run
 
 
-def smem_estimate(config: dict, shape: dict, target: str) -> int | None:
-    return None
+def smem_kernels(config: dict, shape: dict, target: str) -> dict:
+    """Shared memory per CTA of each kernel, bytes, as Triton 3.6 allocates it in compile_for (model
+    and limits in smem_estimate). e: bytes of a GEMM operand (bf16 / fp16); fp32 tiles are 4 bytes."""
+    c = {**DEFAULTS, **config}
+    C, R, P = shape["C"], shape["R"], shape["P"]
+    F, e = C * R, 2
+    sm90 = _common.cc(target) == 90
+
+    def wgmma(m: int, warps: int) -> tuple[bool, bool]:
+        """(an m-row product runs on warpgroup MMA, its warps split N too). Else (below 64 rows, under
+        4 warps, sm_121a) Triton takes mma.sync, whose operands go through registers."""
+        on = sm90 and m % 64 == 0 and warps >= 4
+        return on, on and 16 * warps > m
+
+    def mma_cvt(nbytes: int, warps: int) -> int:
+        """Scratch of an accumulator's conversion between two wgmma layouts: 16 B per thread a round."""
+        return min(512 * warps, nbytes)
+
+    # Scan. Per pipeline stage beyond the first (num_stages = scan_stages), the fp32 loads of its chunk
+    # loop cp.async buffers (bf16 / fp16 loads, of unknown alignment in an AOT compile, are not
+    # pipelined): angles [F, BJ], DA_CS rows [F] and the last step's, MIMO_O / MIMO_Z [R, BP] when
+    # present. Plus the body's largest staging buffer: the q_hat^T operand [BJ, F] (e); with wgmma
+    # (SCAN_BJ = 64, 4+ warps on sm_90a) with it exp(DA) dy [F, BP] or the dS tile's conversion
+    # [BJ, BP] (e); else the layout conversions of the dS tile and of dy's rows [C or F, BP] (e) at
+    # full size, and with one stage those of q and the angles [F, BJ] (fp32): upper bounds where they
+    # decide (smem_inexact).
+    bj, bp, w, st = c["SCAN_BJ"], c["SCAN_BP"], c["scan_warps"], c["scan_stages"]
+    stage = 4 * F * bj + 4 * F + 4 + 4 * R * bp * (bool(shape["hasZ"]) + bool(shape["reduceO"]))
+    if wgmma(bj, w)[0]:
+        body = e * bj * F + e * max(F, bj) * bp
+    else:
+        body = max(e * bj * F, e * bj * bp, e * (C if shape["reduceO"] else F) * bp)
+    scan = (st - 1) * stage + (max(body, 4 * F * bj) if st == 1 else body)
+
+    # Key side, after its P loop: dqk [F, F] (e) lives to the end. Peak one: dkq_m's conversion to the
+    # transposed product's layout (e F F). Peak two: the fp32 [F, KEY_BJ] conversions of the rotary
+    # halves (4 F BJ). On wgmma the B operands k_hat lo / hi [F, BJ] (e each) stay in shared memory
+    # from their product to their last use and q_hat's operand (e F BJ) comes and goes; when the warps
+    # split N, dkq_m [F, F] (e) is staged for its products too and fp32 [F, BJ] accumulators change
+    # layout. At C*R = 16 the P loop's buffers come into play: an upper bound, with all of them.
+    bj, w = c["KEY_BJ"], c["key_warps"]
+    on, split = wgmma(F, w)
+    if on:
+        key = max((4 + 2 * split) * F * F,
+                  (2 + 2 * split) * F * F + 2 * e * F * bj
+                  + max(4 * F * bj, e * F * bj + split * mma_cvt(4 * F * bj, w)))
+    elif F >= 32:
+        key = max(4 * F * F, 2 * F * F + 4 * F * bj)
+    else:
+        key = 4 * F * F + 4 * F * bj + (c["chunk_stages"] - 1) * 3 * 4 * R * c["KEY_BP"]
+
+    # Value side. diag_t [F, F] (e) is held for the P loop when that loop has more than one step.
+    # Its first N loop: five fp32 [F, VALUE_BJ] loads (q, k biases lo / hi, angles) double-buffered
+    # by cp.async (the loop takes the kernel's default num_stages = 3), one e-byte [F, BJ] operand
+    # staged at a time, and with wgmma split over N the lkq accumulator's layout conversion. Its N
+    # loop inside the P loop (wgmma split over N only; otherwise it stays below the first): three
+    # such loads, lkq_m [F, F] and dy [F, BP] staged as operands, the k_hat operand [F, BJ] or the
+    # khds accumulator's conversion, and the dS operand [BJ, BP]. With VALUE_BJ = N/2 the N loops
+    # take one step and this is an upper bound (smem_inexact).
+    bj, bp, w = c["VALUE_BJ"], c["BLOCK_P"], c["chunk_warps"]
+    on, split = wgmma(F, w)
+    diag = e * F * F * (P > bp)
+    value = diag + 10 * 4 * F * bj + e * F * bj + split * mma_cvt(4 * F * F, w)
+    if split:
+        value = max(value, diag + e * F * F + 6 * 4 * F * bj + e * F * bp
+                    + max(e * F * bj, mma_cvt(4 * F * bp, w)) + e * bj * bp)
+
+    return {"scan": scan, "key": key, "value": value, "reduce": 0}   # reduce: registers only
+
+
+def smem_inexact(config: dict, shape: dict, target: str) -> set:
+    """The kernels whose smem_kernels figure is an upper bound, not the compiler's figure."""
+    c = {**DEFAULTS, **config}
+    F = shape["C"] * shape["R"]
+    bj, bp = c["SCAN_BJ"], c["SCAN_BP"]
+    scan_wgmma = _common.cc(target) == 90 and bj % 64 == 0 and c["scan_warps"] >= 4
+    dy_rows = shape["C"] if shape["reduceO"] else F
+    out = set()
+    if c["scan_stages"] == 1 or (bj > F if scan_wgmma else bj * F < max(bj, dy_rows) * bp):
+        out.add("scan")           # a layout conversion's scratch (rounds per warp count) decides
+    if F < 32 or c["KEY_BP"] == shape["P"]:
+        out.add("key")            # C*R = 16: the P loop's buffers decide; one P step: its layouts change
+    if F * F < 32 * c["chunk_warps"] and shape["P"] > c["BLOCK_P"]:
+        out.add("value")          # diag_t has fewer values than threads: kept in registers (2 F F less)
+    if c["VALUE_BJ"] == shape["N"] // 2:
+        out.add("value")          # one-step N loops: no cp.async buffers there, the P loop decides
+    return out
+
+
+def smem_estimate(config: dict, shape: dict, target: str) -> int:
+    """Shared memory per CTA, bytes: the largest of the four kernels' (compile_for's smem_bytes), from
+    what each stages in shared memory under Triton 3.6 for an ahead-of-time compile: cp.async buffers
+    of its pipelined fp32 loads, GEMM operands (mma.sync converts them through shared memory one at a
+    time; sm_90a's warpgroup MMA, taken for products of 64 or 128 rows, reads B from shared memory,
+    and A too when its warps split N), and layout-conversion scratch (terms in smem_kernels).
+
+    Equal to the compiler for sm_90a and sm_121a (tests/test_triton_mamba.py; probed over every tunable
+    at C*R = 16, 32 and 64, spot-checked at 128) except where smem_inexact names a kernel; its figure
+    is then an upper bound: the value side when VALUE_BJ = N/2 (its N loops take one step, so the
+    five cp.async buffers are gone and the P loop's buffers and layout conversions decide: measured
+    8-47 KB against the bound's 24-94 KB), or at C*R = 16 with 16 warps and several P steps (512 B
+    high); the scan at scan_stages = 1 or where its dS / dy layout conversion outweighs the q_hat^T
+    operand (that scratch depends on how many rounds the conversion takes: up to 6 KB high with 2+
+    stages, 14 KB with one); the key side at C*R = 16 or KEY_BP = P. The largest figure is exact
+    whenever the kernel that gives it is exact. At the named shapes that leaves VALUE_BJ = N/2 (every
+    config at grid_n32_p64_r4_c16, VALUE_BJ = 32 at the N = 64 shapes) and scan-bound configs at
+    grid_n128_p128_r4_c8 (SCAN_BP >= 64). Not modelled: C*R >= 256 (over every device's limit), and
+    C*R = 128 with chunk_warps = 4, which does not compile (Triton 3.6 layout error)."""
+    return max(smem_kernels(config, shape, target).values())
 
 
 def _signatures(shape: dict) -> dict:
