@@ -86,10 +86,6 @@ def config_reason(config: dict, shape: dict) -> str | None:
     return None
 
 
-def target_reason(config: dict, target: str) -> str | None:
-    return None
-
-
 # --------------------------------------------------------------------------------------------
 # kernels
 
