@@ -183,8 +183,9 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int | None:
     return _targets.smem_optin(target)
 
 
-def _array_constraint(dtype: str, rows: int, cols: int, elem: int):
-    """The ArrayConstraint the cuTile JIT derives for a contiguous, 16-byte aligned torch tensor.
+def array_constraint(dtype: str, dims: tuple):
+    """The ArrayConstraint the cuTile JIT derives for a contiguous, 16-byte aligned torch tensor of
+    shape ``dims`` (any rank); the cuTile lanes' AOT signatures use it.
 
     Mirrors ``compute_array_specialization_bits`` and the ArrayConstraint construction in
     NVIDIA/cutile-python cext/tile_kernel.cpp: unit last stride is a constant, a stride divisible
@@ -192,20 +193,23 @@ def _array_constraint(dtype: str, rows: int, cols: int, elem: int):
     non-negative strides, no aliasing, base address divisible by 16.
     """
     from cuda.tile.compilation import ArrayConstraint
-    per16 = 16 // elem
-    return ArrayConstraint(_CT_DTYPE[dtype], 2, index_dtype=ct.int32, stride_lower_bound_incl=0,
-                           alias_groups=(), may_alias_internally=False, stride_constant=(None, 1),
-                           stride_divisible_by=(per16 if (cols * elem) % 16 == 0 else 1, 1),
-                           shape_divisible_by=(16 if rows % 16 == 0 else 1, 16 if cols % 16 == 0 else 1),
+    elem = _ELEM[dtype]
+    strides = [1] * len(dims)
+    for i in range(len(dims) - 2, -1, -1):
+        strides[i] = strides[i + 1] * dims[i + 1]
+    return ArrayConstraint(_CT_DTYPE[dtype], len(dims), index_dtype=ct.int32, stride_lower_bound_incl=0,
+                           alias_groups=(), may_alias_internally=False,
+                           stride_constant=(None,) * (len(dims) - 1) + (1,),
+                           stride_divisible_by=tuple(16 // elem if s * elem % 16 == 0 else 1 for s in strides),
+                           shape_divisible_by=tuple(16 if d % 16 == 0 else 1 for d in dims),
                            base_addr_divisible_by=16)
 
 
 def _signature(config: dict, shape: dict):
     from cuda.tile.compilation import CallingConvention, KernelSignature
-    dt, elem = shape["dtype"], _ELEM[shape["dtype"]]
+    dt = shape["dtype"]
     M, N, K = shape["M"], shape["N"], shape["K"]
-    arrays = [_array_constraint(dt, M, K, elem), _array_constraint(dt, K, N, elem),
-              _array_constraint(dt, M, N, elem)]
+    arrays = [array_constraint(dt, (M, K)), array_constraint(dt, (K, N)), array_constraint(dt, (M, N))]
     consts = [config[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "LATENCY")]
     return KernelSignature(arrays + consts, CallingConvention.cutile_python_v1())
 

@@ -69,7 +69,8 @@ import torch
 import cuda.tile as ct
 
 from kernels import _targets
-from kernels.cutile.gemm import ARCHS, _gpu_code, _launch_info, cubin_resources, eligibility, export_cubin
+from kernels.cutile.gemm import (ARCHS, _gpu_code, _launch_info, array_constraint, cubin_resources, eligibility,
+                                 export_cubin)
 from kernels.cutile.gemm import versions  # noqa: F401  (the lane interface)
 
 DSL = "cutile"
@@ -82,8 +83,6 @@ TARGETS = tuple(f"sm_{a}a" if a >= 90 else f"sm_{a}" for a in ARCHS)
 DTYPES = ("float32", "bfloat16")
 DOTS = ("bf16", "tf32", "tf32x3", "f32")
 KVS = ("outer", "mma", "cat")
-_CT = {"float32": ct.float32, "bfloat16": ct.bfloat16}
-_ELEM = {"float32": 4, "bfloat16": 2}
 
 C = ct.Constant[int]
 CB = ct.Constant[bool]
@@ -306,21 +305,6 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int | None:
     return _targets.smem_optin(target)
 
 
-def _array(dtype: str, dims: tuple):
-    """The ArrayConstraint the cuTile 1.7.0 JIT derives for a contiguous, 16-byte aligned tensor of
-    shape ``dims`` (as kernels/cutile/gemm.py: unit last stride, strides and shapes divisible by
-    16 bytes / 16 elements where they are)."""
-    from cuda.tile.compilation import ArrayConstraint
-    elem = _ELEM[dtype]
-    strides = [1] * len(dims)
-    for i in range(len(dims) - 2, -1, -1):
-        strides[i] = strides[i + 1] * dims[i + 1]
-    return ArrayConstraint(_CT[dtype], len(dims), index_dtype=ct.int32, stride_lower_bound_incl=0,
-                           alias_groups=(), may_alias_internally=False,
-                           stride_constant=(None,) * (len(dims) - 1) + (1,),
-                           stride_divisible_by=tuple(16 // elem if s * elem % 16 == 0 else 1 for s in strides),
-                           shape_divisible_by=tuple(16 if d % 16 == 0 else 1 for d in dims),
-                           base_addr_divisible_by=16)
 
 
 def _consts(config: dict, shape: dict) -> tuple:
@@ -336,10 +320,10 @@ def _signature(config: dict, shape: dict):
     dt = shape["dtype"]
     B, S, N, Nq, Nk, Nw, Nf, K, V = (shape[d] for d in ("B", "S", "N", "Nq", "Nk", "Nw", "Nf", "K", "V"))
     ks = config["K_SPLIT"]
-    y = _array("float32", (ks * B, S, N, V)) if ks > 1 else _array(dt, (B, S, N, V))
-    arrays = [_array(dt, (B, S, Nq, K)), _array(dt, (B, S, Nk, K)), _array(dt, (B, S, N, V)),
-              _array(dt, (Nw, V, V)), _array(dt, (B, S, Nf)), _array(dt, (B, N, K, V)), y,
-              _array(dt, (B, N, K, V))]
+    y = array_constraint("float32", (ks * B, S, N, V)) if ks > 1 else array_constraint(dt, (B, S, N, V))
+    arrays = [array_constraint(dt, (B, S, Nq, K)), array_constraint(dt, (B, S, Nk, K)), array_constraint(dt, (B, S, N, V)),
+              array_constraint(dt, (Nw, V, V)), array_constraint(dt, (B, S, Nf)), array_constraint(dt, (B, N, K, V)), y,
+              array_constraint(dt, (B, N, K, V))]
     return KernelSignature(arrays + list(_consts(config, shape)), CallingConvention.cutile_python_v1())
 
 

@@ -56,7 +56,8 @@ import torch
 import cuda.tile as ct
 
 from kernels import _targets
-from kernels.cutile.gemm import ARCHS, _gpu_code, _launch_info, cubin_resources, eligibility, export_cubin
+from kernels.cutile.gemm import (ARCHS, _gpu_code, _launch_info, array_constraint, cubin_resources, eligibility,
+                                 export_cubin)
 from kernels.cutile.gemm import versions  # noqa: F401  (the lane interface)
 from lab.problems import _mamba3 as m3
 
@@ -68,8 +69,6 @@ DEFAULTS = {"SCAN_BJ": 16, "SCAN_BP": 32, "KEY_BJ": 16, "KEY_BP": 32, "VALUE_BJ"
 TARGETS = tuple(f"sm_{a}a" if a >= 90 else f"sm_{a}" for a in ARCHS)
 DTYPES = ("bfloat16", "float16")
 KERNELS = ("scan", "key", "value", "reduce")
-_CT = {"bfloat16": ct.bfloat16, "float16": ct.float16, "float32": ct.float32}
-_ELEM = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 K_ = ct.Constant[int]
 B_ = ct.Constant[bool]
@@ -445,20 +444,6 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int | None:
 # AOT signatures
 
 
-def _array(dtype: str, dims: tuple):
-    """The ArrayConstraint the cuTile 1.7.0 JIT derives for a contiguous, 16-byte aligned tensor (as in
-    kernels/cutile/m2rnn_fwd.py)."""
-    from cuda.tile.compilation import ArrayConstraint
-    elem = _ELEM[dtype]
-    strides = [1] * len(dims)
-    for i in range(len(dims) - 2, -1, -1):
-        strides[i] = strides[i + 1] * dims[i + 1]
-    return ArrayConstraint(_CT[dtype], len(dims), index_dtype=ct.int32, stride_lower_bound_incl=0,
-                           alias_groups=(), may_alias_internally=False,
-                           stride_constant=(None,) * (len(dims) - 1) + (1,),
-                           stride_divisible_by=tuple(16 // elem if s * elem % 16 == 0 else 1 for s in strides),
-                           shape_divisible_by=tuple(16 if d % 16 == 0 else 1 for d in dims),
-                           base_addr_divisible_by=16)
 
 
 def _layouts(config: dict, shape: dict) -> dict:
@@ -502,7 +487,7 @@ def _signature(name: str, config: dict, shape: dict):
     from cuda.tile.compilation import CallingConvention, KernelSignature
     lay = _layouts(config, shape)
     consts = _consts(name, config, shape)
-    arrays = [_array(*lay[p]) for p in _params(name)[:len(_params(name)) - len(consts)]]
+    arrays = [array_constraint(*lay[p]) for p in _params(name)[:len(_params(name)) - len(consts)]]
     return KernelSignature(arrays + consts, CallingConvention.cutile_python_v1())
 
 
