@@ -68,8 +68,19 @@ def now_utc() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+_ISSUED: set[str] = set()
+
+
 def new_run_id(tag: str) -> str:
-    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + f"-{tag}-{os.getpid()}"
+    """<UTC second>-<tag>-<pid>, with -2, -3, ... when this process already issued that id (gate --run
+    starts several sweeps in one process: the same id would make the second overwrite the first's rows)."""
+    base = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + f"-{tag}-{os.getpid()}"
+    run_id, n = base, 1
+    while run_id in _ISSUED:
+        n += 1
+        run_id = f"{base}-{n}"
+    _ISSUED.add(run_id)
+    return run_id
 
 
 def flatten(row: dict) -> dict:

@@ -102,3 +102,18 @@ def test_prune_flags_values_never_within_the_margin(lab_env):
     assert by[("SMEM_KB", "200")].verdict(0.05, min_rows=10**6) == "thin"    # too few rows to judge
     with pytest.raises(LabError):
         prune.report(df, "gemm", ["sim"], 1.5)
+
+
+def test_run_ids_of_one_process_never_repeat(monkeypatch):
+    """Two sweeps started in the same second by one process (gate --run) keep separate rows files."""
+    import datetime as dt
+    from lab import results
+
+    class Frozen(dt.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return dt.datetime(2026, 11, 25, 12, 0, 0, tzinfo=tz)
+    monkeypatch.setattr(results, "datetime", Frozen)
+    ids = [results.new_run_id("gemm-h100") for _ in range(3)]
+    assert ids[0].startswith("20261125T120000Z-gemm-h100-")
+    assert ids[1:] == [ids[0] + "-2", ids[0] + "-3"]
