@@ -46,9 +46,7 @@ def defaults_at(path: str, commit: str) -> dict:
     """The ``DEFAULTS = {...}`` literal of the file at ``path`` (relative to the checkout) at ``commit``;
     {} when git or the literal cannot be read."""
     try:
-        text = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=identity.ROOT, capture_output=True,
-                              text=True, timeout=30).stdout
-        for node in ast.parse(text).body:
+        for node in ast.parse(identity.git_reader(commit)(path) or "").body:
             if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "DEFAULTS" for t in node.targets):
                 return ast.literal_eval(node.value)
     except (OSError, SyntaxError, ValueError, subprocess.SubprocessError):

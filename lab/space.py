@@ -158,7 +158,11 @@ class Space:
 def precisions(kernel: str, dsl: str) -> dict[str, dict]:
     """The sweep file's [precision.NAME] tables: NAME -> {tunable: value}."""
     path = sweeps_dir() / kernel / f"{dsl}.toml"
-    tables = _read_toml(path).get("precision", {})
+    return _precision_tables(_read_toml(path), path)
+
+
+def _precision_tables(data: dict, path: Path) -> dict[str, dict]:
+    tables = data.get("precision", {})
     if not isinstance(tables, dict) or not all(isinstance(t, dict) and t for t in tables.values()):
         raise LabError(f"malformed sweep file {path}: [precision.NAME] entries must be non-empty tables")
     return tables
@@ -196,7 +200,7 @@ def load_space(kernel: str, dsl: str, tunables: tuple[str, ...], precision: str 
                 raise LabError(f"malformed sweep file {path}: seed value {k}={v!r} is not in params.{k}")
         if set(s) != set(params):
             raise LabError(f"malformed sweep file {path}: a [[seed]] must set every param ({', '.join(params)})")
-    tables = precisions(kernel, dsl)
+    tables = _precision_tables(data, path)
     for name, table in tables.items():
         for k in table:
             if k not in tunables:
