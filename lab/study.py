@@ -47,6 +47,27 @@ def open_storage(url: str):
             time.sleep(0.2 + random.random())
 
 
+def create_database(server_url: str, name: str) -> str:
+    """Create database ``name`` (dropped first if it exists) on the PostgreSQL server of ``server_url``;
+    returns its URL (the server URL with the database name replaced, query kept)."""
+    import sqlalchemy as sa
+    admin = sa.create_engine(server_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        c.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    admin.dispose()
+    base, _, query = server_url.partition("?")
+    return f"{base.rsplit('/', 1)[0]}/{name}" + (f"?{query}" if query else "")
+
+
+def drop_database(server_url: str, name: str) -> None:
+    import sqlalchemy as sa
+    admin = sa.create_engine(server_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
 def retry_callback():
     """Optuna's callback that enqueues a dead worker's config again (at most MAX_RETRY times)."""
     from optuna.storages import RetryHeartbeatStaleTrialCallback

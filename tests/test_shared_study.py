@@ -14,6 +14,7 @@ import uuid
 
 import pytest
 
+from lab import study as lab_study
 from lab.results import load
 
 SPACE = '[params]\nMODE = ["ok", "slow"]\nSMEM_KB = [16, 32, 48, 64]\nSPEED = [1, 2, 3]\nESTIMATE_BIAS_KB = [0]\n'
@@ -26,16 +27,9 @@ def storage(tmp_path):
     if not server:
         yield f"sqlite:///{tmp_path / 'shared.db'}"
         return
-    import sqlalchemy as sa
     name = f"lab_{uuid.uuid4().hex[:12]}"
-    admin = sa.create_engine(server, isolation_level="AUTOCOMMIT")
-    with admin.connect() as c:
-        c.execute(sa.text(f"CREATE DATABASE {name}"))
-    base, _, query = server.partition("?")
-    yield f"{base.rsplit('/', 1)[0]}/{name}" + (f"?{query}" if query else "")
-    with admin.connect() as c:
-        c.execute(sa.text(f"DROP DATABASE {name} WITH (FORCE)"))
-    admin.dispose()
+    yield lab_study.create_database(server, name)
+    lab_study.drop_database(server, name)
 
 
 GRACE_S = 5  # a worker silent this long is taken for dead (the kill test; the default is 120 s)
@@ -114,3 +108,48 @@ def test_a_killed_workers_trial_is_retried_and_no_finished_trial_is_lost(lab_env
     assert json.dumps({**held.params}, sort_keys=True) in set(
         json.dumps({k: v for k, v in json.loads(c).items() if k in held.params}, sort_keys=True)
         for c in sim["config_json"])
+
+
+def _demo():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "scripts" / "shared_study_demo.py"
+    spec = importlib.util.spec_from_file_location("shared_study_demo", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_demo_compare_finds_duplicates_gaps_and_status_changes():
+    """scripts/shared_study_demo.py's verdict on a one-worker and a several-worker run of one grid."""
+    import pandas as pd
+    demo = _demo()
+    one = pd.DataFrame({"config_json": ["a", "b", "c"], "status": ["ok", "ok", "compile_error"],
+                        "time_ms": [2.0, 1.0, float("nan")]})
+    same = demo.compare(one, one.iloc[[2, 0, 1]])
+    assert not (same["only_one"] or same["only_many"] or same["twice"] or same["status_differs"])
+    assert same["best_one"] == same["best_many"] == "b"
+    many = pd.DataFrame({"config_json": ["a", "a", "c", "d"], "status": ["ok", "ok", "ok", "ok"],
+                         "time_ms": [2.0, 2.1, 0.5, 3.0]})
+    res = demo.compare(one, many)
+    assert res["only_one"] == ["b"] and res["only_many"] == ["d"] and res["twice"] == 1
+    assert res["status_differs"] == ["c"] and res["best_many"] == "c"
+
+
+@pytest.mark.skipif(not os.environ.get("LAB_TEST_PG_URL"), reason="needs a PostgreSQL server (.ci/run starts one)")
+def test_create_database_replaces_an_existing_one():
+    import sqlalchemy as sa
+    server = os.environ["LAB_TEST_PG_URL"]
+    name = f"lab_{uuid.uuid4().hex[:12]}"
+    url = lab_study.create_database(server, name)
+    eng = sa.create_engine(url)
+    with eng.begin() as c:
+        c.execute(sa.text("CREATE TABLE t (x int)"))
+    eng.dispose()
+    url2 = lab_study.create_database(server, name)  # dropped and created again: the table is gone
+    assert url2 == url
+    eng = sa.create_engine(url)
+    with eng.connect() as c:
+        assert c.execute(sa.text("SELECT count(*) FROM pg_tables WHERE tablename = 't'")).scalar() == 0
+    eng.dispose()
+    lab_study.drop_database(server, name)
