@@ -137,3 +137,16 @@ def load(path: str | os.PathLike = "results") -> pd.DataFrame:
     # opened it twice could see two versions.
     parts = [pd.read_parquet(io.BytesIO(f.read_bytes())).assign(source_file=str(f)) for f in files]
     return pd.concat(parts, ignore_index=True, sort=False)
+
+
+def write_log(results_dir: str | os.PathLike, run_ids: list[str], name: str, text: str) -> Path | None:
+    """Print ``text`` and keep it as <results_dir>/logs/<first run id>-<name>.md, beside the rows it
+    describes (nothing written when no run wrote rows)."""
+    print(text)
+    if not run_ids:
+        return None
+    log = Path(results_dir) / "logs" / f"{run_ids[0]}-{name}.md"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(text + "\n")
+    return log
+

@@ -98,12 +98,7 @@ def main(argv=None) -> int:
               f"restarted; first row of the restart after {recovery:.1f} s; restart exit code {second.returncode}",
               f"- trials lost: {len(finished_before - after)}; configs measured twice: "
               f"{int(df['config_json'].duplicated().sum())}; total wall time {t_end - t_start:.1f} s"]
-    text = "\n".join(lines)
-    print(text)
-    if run_ids:
-        log = out / "logs" / f"{run_ids[0]}-fault-campaign.md"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text(text + "\n")
+    results.write_log(out, run_ids, "fault-campaign", "\n".join(lines))
     return 0 if not (finished_before - after) and second.returncode == 0 else 1
 
 

@@ -125,12 +125,7 @@ def main(argv=None) -> int:
               f"measured twice: {res['twice']}; status differs: {len(res['status_differs'])}",
               f"- fastest: 1 worker {res['best_one']}; {args.workers} workers {res['best_many']} "
               f"({'same' if res['best_one'] == res['best_many'] else 'different'})"]
-    text = "\n".join(lines)
-    print(text)
-    if run_ids:
-        log = out / "logs" / f"{run_ids[0]}-shared-study.md"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text(text + "\n")
+    results.write_log(out, run_ids, "shared-study", "\n".join(lines))
     same = not (res["only_one"] or res["only_many"] or res["twice"] or res["status_differs"])
     return 0 if same else 1
 
