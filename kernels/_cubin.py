@@ -3,8 +3,9 @@ stack of its kernel. Shared by the lanes whose DSL hands back a cubin (CuTe DSL,
 
 Sections used: ``.nv.shared.<kernel>`` (the kernel's static shared memory, what
 ``cuobjdump --dump-resource-usage`` prints as SHARED), ``.nv.shared.reserved.*`` (shared memory the
-compiler reserves beside it), and ``.nv.info`` attribute records (EIATTR_REGCOUNT 0x2f,
-EIATTR_MIN_STACK_SIZE 0x12). All sizes in bytes.
+compiler reserves beside it), ``.nv.local.*`` (per-thread local memory, cuobjdump's LOCAL) and
+``.nv.info`` attribute records (EIATTR_REGCOUNT 0x2f, EIATTR_MIN_STACK_SIZE 0x12: cuobjdump's STACK,
+where register spills go). All sizes in bytes.
 """
 from __future__ import annotations
 
@@ -47,8 +48,9 @@ def nv_info(buf: bytes) -> dict[int, bytes]:
 
 
 def resources(cubin: bytes) -> dict:
-    """Static and reserved shared memory, registers per thread, stack and name of the cubin's kernel."""
-    static = reserved = 0
+    """Static and reserved shared memory, registers per thread, stack, local memory and name of the cubin's
+    kernel."""
+    static = reserved = local = 0
     regs = stack = None
     kernel = ""
     for name, off, size in sections(cubin):
@@ -58,10 +60,13 @@ def resources(cubin: bytes) -> dict:
             reserved += size
         elif name.startswith(".nv.shared."):
             static += size
+        elif name.startswith(".nv.local."):
+            local += size
         elif name == ".nv.info" or name.startswith(".nv.info."):
             attrs = nv_info(cubin[off:off + size])
             if EIATTR_REGCOUNT in attrs:
                 regs = struct.unpack_from("<I", attrs[EIATTR_REGCOUNT], 4)[0]
             if EIATTR_MIN_STACK_SIZE in attrs:
                 stack = struct.unpack_from("<I", attrs[EIATTR_MIN_STACK_SIZE], 4)[0]
-    return {"static": static, "reserved": reserved, "registers": regs, "stack": stack, "kernel": kernel}
+    return {"static": static, "reserved": reserved, "registers": regs, "stack": stack, "local": local,
+            "kernel": kernel}

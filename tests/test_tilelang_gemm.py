@@ -134,3 +134,30 @@ def test_sweep_file_seeds_are_valid():
     for seed in space.seeds:
         assert gemm.config_reason(seed, SQ) is None
         assert gemm.smem_estimate(seed, SQ, "sm_90a") <= 232_448
+
+
+@pytest.mark.parametrize("target", ["sm_90a", "sm_121a"])
+def test_resource_usage_reads_what_cuobjdump_reports(target):
+    """The one cubin reader (kernels/_cubin.py) gives the TileLang lanes the figures cuobjdump's
+    --dump-resource-usage prints: registers, SHARED less the 1 KiB sm_90+ reservation, STACK + LOCAL."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    config = {**gemm.DEFAULTS}
+    art = tl.lower(gemm._program(config, SQ), target, gemm._pass_configs(config))
+    cubin = tl.cubin_of(art.kernel_source, target, gemm._pass_configs(config), use_cache=False)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        out = subprocess.run([cuobjdump, "--dump-resource-usage", path], capture_output=True, text=True,
+                             check=True).stdout
+    (name, reg, stack, shared, local), = re.findall(
+        r"Function ([^\s:]+):\s*\n?\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
+    assert tl.resource_usage(cubin, target) == {"name": name, "registers": int(reg),
+                                                 "static_smem": max(0, int(shared) - 1024),
+                                                 "spill_bytes": int(stack) + int(local)}

@@ -1,17 +1,13 @@
 """Compile plumbing shared by the TileLang lanes (TileLang 0.1.15): explicit targets, lowering
-without nvcc, AOT cubins with TileLang's own nvcc callback, and resource figures from cuobjdump."""
+without nvcc, AOT cubins with TileLang's own nvcc callback, and resource figures read from the cubin."""
 from __future__ import annotations
 
-import os
-import re
-import shutil
-import subprocess
-import tempfile
 
 import tilelang
 import tvm
 from tilelang.transform import PassConfigKey
 
+from kernels import _cubin
 from kernels._targets import cc, device_target  # noqa: F401  (the lanes call tl.cc, tl.device_target)
 
 TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_120a", "sm_121a")
@@ -73,39 +69,19 @@ def cubin_of(source: str, target: str, pass_configs: dict, use_cache: bool) -> b
             CacheState.enable()
 
 
-def _cuobjdump() -> str:
-    for cand in (shutil.which("cuobjdump"), "/usr/local/cuda/bin/cuobjdump"):
-        if cand and os.path.exists(cand):
-            return cand
-    import triton  # ships a cuobjdump with its NVIDIA backend
-    cand = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if os.path.exists(cand):
-        return cand
-    raise FileNotFoundError("cuobjdump not found (PATH, /usr/local/cuda/bin, triton's bundled copy)")
+def resource_usage(cubin: bytes, target: str) -> dict:
+    """The (single) kernel of a TileLang cubin: name, registers per thread, static shared memory and
+    spill bytes (per-thread stack + local memory), read by kernels/_cubin.py.
 
-
-def resource_usage(cubin: bytes, target: str) -> list[dict]:
-    """Per kernel in ``cubin``: name, registers per thread and static shared memory (bytes).
-
-    On sm_90 and newer, cuobjdump's SHARED counts 1 KiB more than the driver's static size
-    (CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES): a plain nvcc kernel with no shared variables reads
-    SHARED:1024 for sm_90a and sm_121a, and on an H100 TileLang cubins reading 2048 / 1024 had
-    driver static sizes 1024 / 0. That 1 KiB is the per-block reservation the opt-in limit
-    (232,448 B on H100, 101,376 B on GB10) is already net of, so it is taken off here: the
-    figure returned is what counts against the opt-in limit."""
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "kernel.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        out = subprocess.run([_cuobjdump(), "--dump-resource-usage", path], capture_output=True,
-                             text=True, check=True).stdout
-    found = re.findall(r"Function ([^\s:]+):\s*\n?\s*REG:(\d+).*?SHARED:(\d+)", out)
-    if not found:
-        raise RuntimeError(f"no resource usage in cuobjdump output: {out[-500:]}")
-    res = []
-    for name, reg, shared in found:
-        static = int(shared)
-        if cc(target) >= 90:
-            static = max(0, static - 1024)
-        res.append({"name": name, "registers": int(reg), "static_smem": static})
-    return res
+    On sm_90 and newer the kernel's .nv.shared section (cuobjdump's SHARED) holds 1 KiB more than the
+    driver's static size (CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES): a plain nvcc kernel with no shared
+    variables reads SHARED:1024 for sm_90a and sm_121a, and on an H100 TileLang cubins reading 2048 / 1024
+    had driver static sizes 1024 / 0. That 1 KiB is the per-block reservation the opt-in limit
+    (232,448 B on H100, 101,376 B on GB10) is already net of, so it is taken off here: the figure
+    returned is what counts against the opt-in limit."""
+    r = _cubin.resources(cubin)
+    static = r["static"]
+    if cc(target) >= 90:
+        static = max(0, static - 1024)
+    return {"name": r["kernel"], "registers": r["registers"], "static_smem": static,
+            "spill_bytes": (r["stack"] or 0) + r["local"]}

@@ -210,7 +210,7 @@ def compile_for(config: dict, shape: dict, target: str) -> dict:
     same nvcc callback and flags ``tilelang.compile`` uses (with TileLang's caches turned off, so a
     binary is never shared between targets), and returns ``{"smem_bytes", "registers",
     "compile_s", "binary": "cubin"}``: smem_bytes = the dynamic size the launch requests (the
-    device function's ``dyn_shared_memory_buf``) + the cubin's static shared memory (cuobjdump,
+    device function's ``dyn_shared_memory_buf``) + the cubin's static shared memory (its .nv.shared section,
     less the 1 KiB reservation it counts on sm_90+: see ``_common.resource_usage``).
     """
     config = {**DEFAULTS, **config}
@@ -218,7 +218,7 @@ def compile_for(config: dict, shape: dict, target: str) -> dict:
     art = tl.lower(_program(config, shape), target, _pass_configs(config))
     cubin = tl.cubin_of(art.kernel_source, target, _pass_configs(config), use_cache=False)
     seconds = time.perf_counter() - t0
-    usage = tl.resource_usage(cubin, target)[0]
+    usage = tl.resource_usage(cubin, target)
     dyn = tl.dynamic_smem(art)
     return {"smem_bytes": dyn + usage["static_smem"], "registers": usage["registers"],
             "compile_s": seconds, "binary": "cubin", "dynamic_smem": dyn, "static_smem": usage["static_smem"]}
@@ -264,7 +264,7 @@ def _launch_info(kernel, config: dict, shape: dict, target: str) -> dict:
             tl.lower(_program(config, shape), target, _pass_configs(config))
         dyn = tl.dynamic_smem(art)
         cubin = tl.cubin_of(kernel.get_kernel_source(), target, _pass_configs(config), use_cache=True)
-        usage = tl.resource_usage(cubin, target)[0]
+        usage = tl.resource_usage(cubin, target)
     except Exception:
         return {"smem_bytes": None, "registers": None, "spills": None}
     return {"smem_bytes": dyn + usage["static_smem"], "registers": usage["registers"], "spills": None}

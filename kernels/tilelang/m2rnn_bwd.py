@@ -65,11 +65,7 @@ zero fill); the lab's kernels/tilelang/gemm.py and mamba_bwd_bwd.py (T.Pipelined
 compile plumbing); the Triton lane kernels/triton/_m2rnn.py (same algorithm and output contract).
 """
 
-import re
-import subprocess
-import tempfile
 import time
-import os
 
 import torch
 import tilelang
@@ -370,17 +366,6 @@ _PROGRAMS = {"fwd": _fwd_program, "bwd": _bwd_program}
 # compile
 
 
-def _spills(cubin: bytes) -> int:
-    """Bytes of local memory (spills / stack) over the cubin's kernels, from cuobjdump."""
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        out = subprocess.run([tl._cuobjdump(), "--dump-resource-usage", path], capture_output=True, text=True,
-                             check=True).stdout
-    return sum(int(x) for x in re.findall(r"(?:STACK|LOCAL):(\d+)", out))
-
-
 def compile_for(config: dict, shape: dict, target: str) -> dict:
     """Ahead-of-time compile of both kernels for ``target`` (no GPU); smem_bytes and registers are the
     larger of the two (the backward's in practice), per-kernel figures and spill bytes ride along."""
@@ -391,9 +376,9 @@ def compile_for(config: dict, shape: dict, target: str) -> dict:
     for name, prog in _PROGRAMS.items():
         art = tl.lower(prog(config, shape), target, pc)
         cubin = tl.cubin_of(art.kernel_source, target, pc, use_cache=False)
-        usage = tl.resource_usage(cubin, target)[0]
+        usage = tl.resource_usage(cubin, target)
         per[name] = {"smem_bytes": tl.dynamic_smem(art) + usage["static_smem"], "registers": usage["registers"],
-                     "spill_bytes": _spills(cubin)}
+                     "spill_bytes": usage["spill_bytes"]}
     return {"smem_bytes": max(v["smem_bytes"] for v in per.values()),
             "registers": max(v["registers"] for v in per.values()),
             "compile_s": time.perf_counter() - t0, "binary": "cubin", "kernels": per}
@@ -455,10 +440,10 @@ def _launch_info(kernels: dict, config: dict, shape: dict, target: str) -> dict:
             art = k.artifact if getattr(k, "artifact", None) is not None else \
                 tl.lower(_PROGRAMS[name](config, shape), target, pc)
             cubin = tl.cubin_of(k.get_kernel_source(), target, pc, use_cache=True)
-            usage = tl.resource_usage(cubin, target)[0]
+            usage = tl.resource_usage(cubin, target)
             smem = max(smem, tl.dynamic_smem(art) + usage["static_smem"])
             regs = max(regs, usage["registers"])
-            spills += _spills(cubin)
+            spills += usage["spill_bytes"]
         return {"smem_bytes": smem, "registers": regs, "spills": spills}
     except Exception:
         return {"smem_bytes": None, "registers": None, "spills": None}

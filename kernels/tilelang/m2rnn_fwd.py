@@ -50,10 +50,6 @@ src/tl_templates/cuda/math.h), the lab's Triton M2RNN lane (kernels/triton/_m2rn
 contract, and the lab's other TileLang lanes (gemm.py, mamba_bwd_bwd.py) for compile plumbing.
 """
 
-import os
-import re
-import subprocess
-import tempfile
 import time
 
 import torch
@@ -327,28 +323,17 @@ def lower(config: dict, shape: dict, target: str):
 def compile_for(config: dict, shape: dict, target: str) -> dict:
     """Ahead-of-time compile for ``target`` (no GPU): lowering, then nvcc through TileLang's own
     callback with its binary cache off. smem_bytes = dynamic size of the launch + the cubin's static
-    shared memory (cuobjdump, net of the 1 KiB sm_90+ reservation: see _common.resource_usage)."""
+    shared memory (net of the 1 KiB sm_90+ reservation: see _common.resource_usage)."""
     config = {**DEFAULTS, **config}
     t0 = time.perf_counter()
     art = lower(config, shape, target)
     cubin = tl.cubin_of(art.kernel_source, target, _pass_configs(config), use_cache=False)
     seconds = time.perf_counter() - t0
-    usage = tl.resource_usage(cubin, target)[0]
+    usage = tl.resource_usage(cubin, target)
     dyn = tl.dynamic_smem(art)
     return {"smem_bytes": dyn + usage["static_smem"], "registers": usage["registers"], "compile_s": seconds,
             "binary": "cubin", "dynamic_smem": dyn, "static_smem": usage["static_smem"],
-            "spills": _local_bytes(cubin)}
-
-
-def _local_bytes(cubin: bytes) -> int:
-    """Per-thread local memory (register spills / stack) of the cubin's kernel, bytes (cuobjdump)."""
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "kernel.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        out = subprocess.run([tl._cuobjdump(), "--dump-resource-usage", path], capture_output=True, text=True,
-                             check=True).stdout
-    return sum(int(v) for v in re.findall(r"(?:STACK|LOCAL):(\d+)", out))
+            "spills": usage["spill_bytes"]}
 
 
 # --------------------------------------------------------------------------------------------
@@ -394,7 +379,7 @@ def _launch_info(kernel, config: dict, shape: dict, target: str) -> dict:
     try:
         art = kernel.artifact if getattr(kernel, "artifact", None) is not None else lower(config, shape, target)
         cubin = tl.cubin_of(kernel.get_kernel_source(), target, _pass_configs(config), use_cache=True)
-        usage = tl.resource_usage(cubin, target)[0]
+        usage = tl.resource_usage(cubin, target)
         return {"smem_bytes": tl.dynamic_smem(art) + usage["static_smem"], "registers": usage["registers"],
                 "spills": None}
     except Exception:

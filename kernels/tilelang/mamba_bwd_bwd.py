@@ -921,7 +921,7 @@ def compile_for(config: dict, shape: dict, target: str) -> dict:
         art = tl.lower(program, target, _pass_configs(config, name))
         _check_layout(name, program, art.kernel_source)
         cubin = tl.cubin_of(art.kernel_source, target, _pass_configs(config, name), use_cache=False)
-        usage = tl.resource_usage(cubin, target)[0]
+        usage = tl.resource_usage(cubin, target)
         per[name] = {"smem_bytes": tl.dynamic_smem(art) + usage["static_smem"], "registers": usage["registers"]}
     return {"smem_bytes": max(v["smem_bytes"] for v in per.values()),
             "registers": max(v["registers"] for v in per.values()),
@@ -1014,7 +1014,7 @@ def _launch_info(kernels: dict, config: dict, shape: dict, target: str) -> dict:
             art = k.artifact if getattr(k, "artifact", None) is not None else \
                 tl.lower(_PROGRAMS[name](config, shape), target, _pass_configs(config, name))
             cubin = tl.cubin_of(k.get_kernel_source(), target, _pass_configs(config, name), use_cache=True)
-            usage = tl.resource_usage(cubin, target)[0]
+            usage = tl.resource_usage(cubin, target)
             smem = max(smem, tl.dynamic_smem(art) + usage["static_smem"])
             regs = max(regs, usage["registers"])
         return {"smem_bytes": smem, "registers": regs, "spills": None}
