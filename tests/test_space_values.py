@@ -116,3 +116,12 @@ def test_gate_seed_outside_a_pruned_space_is_still_timed(lab_env):
     assert "seed not in sweeps/gemm/sim.toml (SMEM_KB=16): not a trial of this sweep" in text, text
     assert rc == 0 and "gemm sim h100 tiny: previous" in text and ": SAME" in text, text
     assert runner.ab_lanes and runner.ab_lanes[0][0].startswith("sim_at_")
+
+
+def harness_reason(kernel: str, dsl: str, config: dict, shape: dict) -> str | None:
+    """What the preflight refuses a config for before any target rule: the sweep file's values and
+    restrictions, then the lane's ``config_reason`` (for lane tests of refusals the file now holds)."""
+    lane = registry.get(dsl, kernel)
+    full = lane.full_config(config)
+    sp = space.load_space(kernel, dsl, tuple(lane.module.TUNABLES))
+    return lane.space_reason(sp, full) or lane.module.config_reason(full, shape)
