@@ -16,7 +16,9 @@ from lab.devices import LabError, detect
 
 def parse_configs(texts: list[str] | None, lane: registry.Lane) -> list[dict]:
     """Full configs (defaults filled in) from JSON objects on the command line; one default config when
-    none is given. Unknown keys and malformed JSON are one-line errors."""
+    none is given. Unknown keys, malformed JSON and a config outside the lane's sweep file (a value it
+    does not list, a restriction broken: ``Lane.space_reason``) are one-line errors."""
+    sp = space.load_space(lane.kernel, lane.dsl, tuple(lane.module.TUNABLES))
     out = []
     for text in texts or ["{}"]:
         try:
@@ -25,7 +27,11 @@ def parse_configs(texts: list[str] | None, lane: registry.Lane) -> list[dict]:
             raise LabError(f"--config {text!r} is not JSON: {exc.msg}") from None
         if not isinstance(cfg, dict):
             raise LabError(f"--config {text!r} must be a JSON object")
-        out.append(lane.full_config(cfg))
+        full = lane.full_config(cfg)
+        why = lane.space_reason(sp, full)
+        if why:
+            raise LabError(f"--config {text!r} refused: {why}")
+        out.append(full)
     return out
 
 
@@ -46,9 +52,10 @@ def check(kernel: str, dsl: str, shapes: list[str], configs: list[str] | None = 
     lane = registry.get(dsl, kernel)
     problems.get(kernel)
     named = {s: space.get_shape(kernel, s) for s in shapes}
+    cfgs = parse_configs(configs, lane)  # refusals need no GPU: before the device check
     device, l2 = _device_and_l2(device)
     bad = 0
-    for cfg in parse_configs(configs, lane):
+    for cfg in cfgs:
         out(f"config {json.dumps(cfg, sort_keys=True)}")
         for name, shape in named.items():
             why = lane.module.config_reason(cfg, shape)
@@ -80,10 +87,11 @@ def profile(kernel: str, dsl: str, shapes: list[str], configs: list[str] | None 
     lane = registry.get(dsl, kernel)
     problem = problems.get(kernel)
     named = {s: space.get_shape(kernel, s) for s in shapes}
+    cfgs = parse_configs(configs, lane)  # refusals need no GPU: before the device check
     device, l2 = _device_and_l2(device)
     cuda = device.startswith("cuda")
     flush = timing._flusher(device, l2)
-    for cfg in parse_configs(configs, lane):
+    for cfg in cfgs:
         out(f"config {json.dumps(cfg, sort_keys=True)}")
         for name, shape in named.items():
             why = lane.module.config_reason(cfg, shape)

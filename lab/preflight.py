@@ -1,7 +1,8 @@
 """Preflight: decide, before any GPU work, whether a config can run on a target device profile.
 
 Order of checks (each rejection is recorded with its reason and costs no compile):
-  1. the lane's arithmetic rules (``config_reason``) and the sweep file's restrictions;
+  1. the sweep file's values and restrictions (``Lane.space_reason``), then the lane's arithmetic rules
+     (``config_reason``);
   2. the lane's target rules (``target_reason``);
   3. the analytic shared-memory estimate against the profile's opt-in limit;
   4. an ahead-of-time compile for the profile's target (CPU only): the compiled shared memory
@@ -95,7 +96,7 @@ def cheap_checks(lane: Lane, space: Space | None, config: dict, shape: dict, pro
     """Checks 1-3 (no compile)."""
     mod = lane.module
     limit = profile.smem_optin_bytes
-    reason = mod.config_reason(config, shape) or (space.rule_reason(config) if space else None)
+    reason = (lane.space_reason(space, config) if space else None) or mod.config_reason(config, shape)
     if reason:
         return Verdict(False, reason, "rules", smem_limit=limit)
     reason = mod.eligibility(profile.target) or lane.target_reason(config, profile.target)

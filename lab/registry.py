@@ -19,6 +19,12 @@ A lane module defines (see kernels/triton/gemm.py for a full example):
   versions() -> dict                                 package versions that produced the binary
   cache_env(folder, target) -> dict                  optional: env vars pointing the DSL's compile cache
                                                      at a per-target folder
+  RETIRED              optional: former knobs a config may still name; config_reason judges them
+
+The values a tunable may take and the rules over several of them are declared once, in the lane's sweep
+file (``sweeps/<kernel>/<dsl>.toml``); the harness holds every config that enters from outside a sweep
+to it (``Lane.space_reason``). ``config_reason`` keeps what depends on the shape or on combinations the
+file cannot express.
 
 The harness never imports a DSL itself: everything DSL-specific goes through these names.
 """
@@ -105,6 +111,11 @@ class Lane:
         """The lane's optional ``target_reason``; None (no target rule) when it has none."""
         fn = getattr(self.module, "target_reason", None)
         return fn(config, target) if fn else None
+
+    def space_reason(self, space, config: dict) -> str | None:
+        """Why a full config is outside ``space`` (a ``lab.space.Space`` of this lane), or None: see
+        ``Space.value_reason``; the lane's DEFAULTS and RETIRED knobs as this lane declares them."""
+        return space.value_reason(config, self.module.DEFAULTS, tuple(getattr(self.module, "RETIRED", ())))
 
     def full_config(self, config: dict) -> dict:
         unknown = [k for k in config if k not in self.module.TUNABLES]

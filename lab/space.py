@@ -79,6 +79,7 @@ class Space:
     source: str = ""
     seeds: list[dict] = field(default_factory=list)  # configs tried first in a new study
     fixed_names: tuple = ()  # tunables a rule may name that are not params (precision keys: lane defaults)
+    precisions: dict = field(default_factory=dict)  # the file's [precision.NAME] tables: NAME -> {tunable: value}
 
     def __post_init__(self):
         self._compiled = []
@@ -98,7 +99,7 @@ class Space:
             self._compiled.append((rule, compile(tree, self.source or "<rule>", "eval")))
 
     def __reduce__(self):  # compiled rules are code objects: rebuild them in the receiving process
-        return (Space, (self.params, self.rules, self.source, self.seeds, self.fixed_names))
+        return (Space, (self.params, self.rules, self.source, self.seeds, self.fixed_names, self.precisions))
 
     @property
     def tag(self) -> str:
@@ -113,6 +114,39 @@ class Space:
             if not eval(code, {"__builtins__": {}}, {**_FUNCS, **config}):  # noqa: S307 (AST-checked above)
                 return f"restriction: {rule}"
         return None
+
+    @property
+    def where(self) -> str:
+        """The sweep file as ``sweeps/<kernel>/<dsl>.toml`` (wherever LAB_SWEEPS_DIR puts the folder)."""
+        p = Path(self.source)
+        return f"sweeps/{p.parent.name}/{p.name}" if self.source else "the sweep space"
+
+    def allowed(self, key: str, defaults: dict) -> list:
+        """The values tunable ``key`` may take: its [params] list; for a tunable that is not a param (a
+        precision key, a knob the file leaves out), the lane's default and the values [precision.NAME]
+        tables set."""
+        if key in self.params:
+            return self.params[key]
+        out = [defaults[key]] if key in defaults else []
+        for table in self.precisions.values():
+            if key in table and not any(same_value(table[key], v) for v in out):
+                out.append(table[key])
+        return out
+
+    def value_reason(self, config: dict, defaults: dict, retired: tuple = ()) -> str | None:
+        """Why ``config`` (a full config) is outside this space, in one line, or None: a value that is not
+        one of its tunable's allowed values (``allowed``; compared with its type, so true is not 1), else
+        the first restriction it breaks. Keys in ``retired`` (former knobs the lane still accepts at the
+        value its code fixes them to) are the lane's to judge and are skipped here."""
+        for key, value in config.items():
+            if key in retired:
+                continue
+            allowed = self.allowed(key, defaults)
+            if not any(same_value(value, v) for v in allowed):
+                text = ", ".join(json.dumps(v) for v in allowed) or "none"
+                kind = "" if key in self.params else "; not a param: the lane's default or a [precision.NAME] value"
+                return f"{key}={json.dumps(value)} is not in {self.where} (allowed: {text}{kind})"
+        return self.rule_reason(config)
 
     @property
     def size(self) -> int:
@@ -153,6 +187,11 @@ class Space:
                 break
             add({n: rng.choice(self.params[n]) for n in names})
         return out, False
+
+
+def same_value(a, b) -> bool:
+    """Equal values of one type (``True == 1`` and ``1 == 1.0`` in Python, not here)."""
+    return type(a) is type(b) and a == b
 
 
 def precisions(kernel: str, dsl: str) -> dict[str, dict]:
@@ -214,7 +253,7 @@ def load_space(kernel: str, dsl: str, tunables: tuple[str, ...], precision: str 
         params = {**params, **fixed}
         seeds = [{**s, **{k: v[0] for k, v in fixed.items()}} for s in seeds]
     fixed_names = tuple(sorted({k for t in tables.values() for k in t}))
-    return Space(params, rules, str(path), seeds, fixed_names)
+    return Space(params, rules, str(path), seeds, fixed_names, tables)
 
 
 def load_shapes(kernel: str) -> tuple[dict[str, dict], list[str]]:

@@ -335,7 +335,18 @@ class Sweep:
             raise LabError(f"--sampler grid over {space.size:,} configs of {space.source} (at most {GRID_LIMIT:,}): "
                            f"use tpe or random")
         for seed_cfg in req.seeds.get((lane.dsl, shape_name), []):  # e.g. the gate's previous best configs
-            study.enqueue_trial(lane.full_config(seed_cfg), skip_if_exists=True)
+            # A trial holds only the space's params, each one of its listed values: a seed's other keys
+            # (a precision key, a knob the lane retired) take the lane's defaults, as every trial's do, and
+            # a seed naming a value the file no longer lists (a pruned sweep file) cannot be a trial of
+            # this study; the gate still times that config with the code it was measured with.
+            cfg = lane.full_config({k: v for k, v in seed_cfg.items() if k in mod.TUNABLES})
+            unlisted = [f"{k}={json.dumps(v)}" for k, v in cfg.items()
+                        if k in space.params and not any(space_mod.same_value(v, c) for c in space.params[k])]
+            if unlisted:
+                self.out(f"{lane.dsl:8s} {shape_name}: seed not in {space.where} ({', '.join(unlisted)}): "
+                         f"not a trial of this sweep")
+                continue
+            study.enqueue_trial(cfg, skip_if_exists=True)
         if not study.get_trials(deepcopy=False):
             for seed_cfg in space.seeds:  # known-good starting points from the sweep file
                 study.enqueue_trial(seed_cfg, skip_if_exists=True)

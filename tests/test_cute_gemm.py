@@ -7,6 +7,7 @@ import pytest
 from kernels._targets import smem_optin
 
 from kernels.cute import gemm
+from tests.test_space_values import harness_reason
 
 SQ = {"M": 4096, "N": 4096, "K": 4096, "dtype": "bfloat16"}
 RAGGED = {"M": 3001, "N": 2056, "K": 1000, "dtype": "bfloat16"}
@@ -93,8 +94,8 @@ def test_eligibility_and_config_rules():
     assert "float32" in gemm.config_reason(cfg(), {"M": 64, "N": 64, "K": 64, "dtype": "float32"})
     assert gemm.config_reason(cfg(PATH="mma_sync", BLOCK_N=256), SQ)
     assert gemm.config_reason(cfg(PATH="mma_sync", CLUSTER_N=2), SQ)
-    assert gemm.config_reason(cfg(BLOCK_M=256), SQ)
-    assert gemm.config_reason(cfg(PATH="tcgen05"), SQ)
+    assert harness_reason("gemm", "cute", cfg(BLOCK_M=256), SQ)
+    assert harness_reason("gemm", "cute", cfg(PATH="tcgen05"), SQ)
 
 
 def test_registry_sees_the_lane():

@@ -9,6 +9,7 @@ from kernels._targets import smem_optin
 
 from kernels.cute import m2rnn_bwd as lane
 from lab import space
+from tests.test_space_values import harness_reason
 
 BASE = {"B": 2, "S": 4096, "N": 8, "Nq": 8, "Nk": 8, "Nw": 8, "Nf": 8, "K": 64, "V": 16, "h0": False,
         "dtype": "bfloat16"}
@@ -60,9 +61,9 @@ def test_big_checkpoint_fits_hopper_only():
 def test_refusals():
     assert "float32" in lane.config_reason({}, {**BASE, "dtype": "float32"})
     assert "V=64" in lane.config_reason({}, {**BASE, "V": 64})
-    assert "CKPT" in lane.config_reason({"CKPT": 12}, BASE)
-    assert "K_SPLIT" in lane.config_reason({"K_SPLIT": 3}, BASE)
-    assert "FAST_TANH" in lane.config_reason({"FAST_TANH": 1}, BASE)
+    assert "CKPT" in harness_reason("m2rnn_bwd", "cute", {"CKPT": 12}, BASE)
+    assert "K_SPLIT" in harness_reason("m2rnn_bwd", "cute", {"K_SPLIT": 3}, BASE)
+    assert "FAST_TANH" in harness_reason("m2rnn_bwd", "cute", {"FAST_TANH": 1}, BASE)
     assert "K=16" in lane.config_reason({"K_SPLIT": 2}, {**BASE, "K": 16})
     assert "K=40" in lane.config_reason({}, {**BASE, "K": 40})
     assert lane.config_reason({}, {**BASE, "K": 256}) is not None          # 16 warps

@@ -15,6 +15,7 @@ from kernels._targets import smem_optin
 from kernels.cute import m2rnn_fwd as lane
 from lab import space
 from lab.problems import get
+from tests.test_space_values import harness_reason
 
 TARGETS = ("sm_90a", "sm_121a")
 PROBLEM = get("m2rnn_fwd")
@@ -106,11 +107,11 @@ def test_refusals():
     assert "multiple of ROWS_PER_WARP" in lane.config_reason({"ROWS_PER_WARP": 32}, b2 | {"K": 48})
     assert "HEADS_PER_CTA" in lane.config_reason({"HEADS_PER_CTA": 4}, b2 | {"N": 6})
     assert "1024" in lane.config_reason({"HEADS_PER_CTA": 4}, b2 | {"K": 512})
-    assert "UNROLL" in lane.config_reason({"UNROLL": 3}, b2)
-    assert "CHUNK" in lane.config_reason({"CHUNK": 24}, b2)
-    assert "STAGES" in lane.config_reason({"STAGES": 1}, b2)
-    assert "PRODUCT" in lane.config_reason({"PRODUCT": "tf32"}, b2)
-    assert "FAST_TANH" in lane.config_reason({"FAST_TANH": 1}, b2)
+    assert "UNROLL" in harness_reason("m2rnn_fwd", "cute", {"UNROLL": 3}, b2)
+    assert "CHUNK" in harness_reason("m2rnn_fwd", "cute", {"CHUNK": 24}, b2)
+    assert "STAGES" in harness_reason("m2rnn_fwd", "cute", {"STAGES": 1}, b2)
+    assert "PRODUCT" in harness_reason("m2rnn_fwd", "cute", {"PRODUCT": "tf32"}, b2)
+    assert "FAST_TANH" in harness_reason("m2rnn_fwd", "cute", {"FAST_TANH": 1}, b2)
     assert "float16" in lane.config_reason({}, b2 | {"dtype": "float16"})
     with pytest.raises(ValueError, match="cannot compile"):
         lane.compile_for({"PRODUCT": "mma_bf16"}, fp32, "sm_90a")

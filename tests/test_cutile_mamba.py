@@ -12,6 +12,7 @@ from kernels.cutile import mamba_bwd_bwd as lane
 from lab import parity, space
 from lab.problems.mamba_bwd_bwd import PROBLEM
 from tests import cutile_standin as standin
+from tests.test_space_values import harness_reason
 
 D = lane.DEFAULTS
 _LIMIT = {"sm_90a": 232_448, "sm_121a": 101_376}
@@ -95,8 +96,8 @@ def test_config_rules():
     assert "P=" in lane.config_reason(D, {**shape, "P": 48})
     assert "KEY_BJ" in lane.config_reason({**D, "KEY_BJ": 64}, shape)       # N/2 = 32
     assert "BLOCK_P" in lane.config_reason({**D, "BLOCK_P": 8}, shape)
-    assert "num_worker_warps" in lane.config_reason({**D, "num_worker_warps": 2}, shape)
-    assert "occupancy" in lane.config_reason({**D, "occupancy": 33}, shape)
+    assert "num_worker_warps" in harness_reason("mamba_bwd_bwd", "cutile", {**D, "num_worker_warps": 2}, shape)
+    assert "occupancy" in harness_reason("mamba_bwd_bwd", "cutile", {**D, "occupancy": 33}, shape)
     assert "int64" in lane.config_reason(D, {**shape, "B": 64, "S": 65536, "H": 64})
 
 

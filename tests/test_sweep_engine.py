@@ -157,11 +157,11 @@ def test_refused_space_summarises_the_reasons_by_kind(lab_env, monkeypatch):
     assert len(rows) == 1 and rows["phase"].iloc[0] == "space"
     why = rows["error"].iloc[0]
     limit = 101_376  # gb10 opt-in shared memory per block, bytes
-    # 12 configs: 6 refused by the lane (MODE=refused), 2 by the restriction (SPEED=3), 2 by the target (SPEED=2),
-    # 2 over the limit by estimate (SMEM_KB 120 and 200).
+    # 12 configs: 4 by the restriction (SPEED=3; the sweep file's rules come first), 4 refused by the lane
+    # (MODE=refused), 2 by the target (SPEED=2), 2 over the limit by estimate (SMEM_KB 120 and 200).
     assert "12 configs checked" in why
     assert f"2 over the gb10 limit of {limit:,} B by estimate (by {120 * 1024 - limit:,} to {200 * 1024 - limit:,} B)" in why
-    assert "8 broke rules (6 'MODE=refused is refused by the lane's rules', 2 'restriction: SPEED != 3')" in why
+    assert "8 broke rules (4 'restriction: SPEED != 3', 4 'MODE=refused is refused by the lane's rules')" in why
     assert "2 refused by target (2 'SPEED=… has no path on sm_121a')" in why
 
 

@@ -9,6 +9,7 @@ import pytest
 # Imported, not importorskip: a missing DSL must fail the run, never skip it silently.
 from kernels.tilelang import _common as tl
 from kernels.tilelang import gemm
+from tests.test_space_values import harness_reason
 
 SQ = {"M": 4096, "N": 4096, "K": 4096, "dtype": "bfloat16"}
 PARITY = {"M": 197, "N": 136, "K": 264, "dtype": "bfloat16"}    # the harness's ragged parity shape
@@ -111,10 +112,10 @@ def test_compile_failure_raises():
 
 def test_config_rules():
     assert "dtype" in gemm.config_reason(D, {**SQ, "dtype": "float32"})
-    assert "power of two" in gemm.config_reason({**D, "block_N": 96}, SQ)
-    assert "threads" in gemm.config_reason({**D, "threads": 192}, SQ)
-    assert "policy" in gemm.config_reason({**D, "policy": "Diagonal"}, SQ)
-    assert "epilogue" in gemm.config_reason({**D, "epilogue": "tma"}, SQ)
+    assert "block_N=96" in harness_reason("gemm", "tilelang", {**D, "block_N": 96}, SQ)
+    assert "threads" in harness_reason("gemm", "tilelang", {**D, "threads": 192}, SQ)
+    assert "policy" in harness_reason("gemm", "tilelang", {**D, "policy": "Diagonal"}, SQ)
+    assert "epilogue" in harness_reason("gemm", "tilelang", {**D, "epilogue": "tma"}, SQ)
     assert "too small" in gemm.config_reason({**D, "block_M": 16, "block_N": 16}, SQ)
     assert gemm.config_reason(D, SQ) is None
 

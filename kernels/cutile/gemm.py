@@ -123,22 +123,7 @@ def config_reason(config: dict, shape: dict) -> str | None:
     """Why ``config`` cannot run ``shape`` (None when it can). Pure arithmetic, no compile."""
     if shape["dtype"] not in DTYPES:
         return f"dtype {shape['dtype']} not supported (have {', '.join(DTYPES)})"
-    for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
-        v = config[key]
-        if v < 16 or not _pow2(v):  # cuTile tile dimensions are powers of two
-            return f"{key}={v} must be a power of two >= 16"
-    if config["GROUP_M"] < 1:
-        return f"GROUP_M={config['GROUP_M']} must be >= 1"
-    if config["num_ctas"] and not (_pow2(config["num_ctas"]) and config["num_ctas"] <= 16):
-        return f"num_ctas={config['num_ctas']} must be 0 (auto) or a power of two in [1, 16]"
-    if not 0 <= config["occupancy"] <= 32:
-        return f"occupancy={config['occupancy']} must be 0 (auto) or in [1, 32]"
-    if config["num_worker_warps"] not in (0, 1, 2, 4, 8, 16, 32):
-        return f"num_worker_warps={config['num_worker_warps']} must be 0 (auto) or a power of two in [1, 32]"
-    if not 0 <= config["LATENCY"] <= 10:
-        return f"LATENCY={config['LATENCY']} must be 0 (auto) or in [1, 10]"
-    if config["PERSISTENT"] not in (0, 1):
-        return f"PERSISTENT={config['PERSISTENT']} must be 0 or 1"
+    # The values each knob may take are the sweep file's (sweeps/gemm/cutile.toml); the harness checks them.
     if shape["M"] * shape["K"] >= 2**31 or shape["K"] * shape["N"] >= 2**31 or shape["M"] * shape["N"] >= 2**31:
         return "arrays with 2^31 or more elements need int64 indexing, which this lane does not specialize"
     return None

@@ -419,10 +419,7 @@ def config_reason(config: dict, shape: dict) -> str | None:
         v = c[key]
         if not (_pow2(v) and 16 <= v <= dim):
             return f"{key}={v} must be a power of two in [16, {name}={dim}]"
-    if c["num_worker_warps"] not in (0, 4, 8):
-        return f"num_worker_warps={c['num_worker_warps']} must be 0 (auto), 4 or 8 (TileIR 13.4)"
-    if not (isinstance(c["occupancy"], int) and 0 <= c["occupancy"] <= 32):
-        return f"occupancy={c['occupancy']} must be 0 (auto) or in [1, 32]"
+    # The values each knob may take are the sweep file's (sweeps/mamba_bwd_bwd/cutile.toml); the harness checks them.
     B, S, H, G, _, _, _, _, nc, _ = m3.dims(shape)
     if max(B * H * nc * N * P, B * S * R * H * max(N, P), B * H * nc * C * C) >= 2**31:
         return "arrays of 2^31 or more elements need int64 indexing, which this lane does not specialize"

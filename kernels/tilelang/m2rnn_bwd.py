@@ -99,21 +99,11 @@ def config_reason(config: dict, shape: dict) -> str | None:
     if K % 16 or not 16 <= K <= 64:
         # the dW blocks are a (K/16 V)^2 fp32 fragment: 32 registers per thread at K = 64, 128 at 128
         return f"K={K} must be a multiple of 16 in 16..64"
-    if c["threads"] not in (32, 64, 128, 256):
-        return f"threads={c['threads']} must be 32, 64, 128 or 256"
+    # The values each knob may take are the sweep file's (sweeps/m2rnn_bwd/tilelang.toml); the harness checks them.
     if c["threads"] // 32 > K // 16:
         return f"threads={c['threads']} too many for K={K}: each warp needs 16 rows of the state"
-    if c["CKPT"] not in (2, 4, 8, 16, 32):
-        return f"CKPT={c['CKPT']} must be 2, 4, 8, 16 or 32"
-    if c["CHUNK"] not in (16, 32, 64, 128) or c["CHUNK"] % c["CKPT"]:
-        return f"CHUNK={c['CHUNK']} must be 16, 32, 64 or 128 and a multiple of CKPT={c['CKPT']}"
-    if c["num_stages"] not in (1, 2, 3):
-        return f"num_stages={c['num_stages']} must be 1, 2 or 3"
-    if c["min_blocks"] not in range(1, 9):
-        return f"min_blocks={c['min_blocks']} must be in 1..8"
-    for key in ("FAST_TANH", "wgmma"):
-        if not isinstance(c[key], bool):
-            return f"{key}={c[key]!r} must be true or false"
+    if c["CHUNK"] % c["CKPT"]:
+        return f"CHUNK={c['CHUNK']} must be a multiple of CKPT={c['CKPT']}"
     return None
 
 

@@ -91,17 +91,7 @@ def config_reason(config: dict, shape: dict) -> str | None:
     dt = shape["dtype"]
     if dt not in DTYPES:
         return f"dtype {dt} not supported (have {', '.join(DTYPES)})"
-    if c["threads"] not in (32, 64, 128):
-        return f"threads={c['threads']} must be 32, 64 or 128"
-    if c["K_SPLIT"] not in (1, 2, 4):
-        return f"K_SPLIT={c['K_SPLIT']} must be 1, 2 or 4"
-    if c["CHUNK"] not in (16, 32, 64, 128):
-        return f"CHUNK={c['CHUNK']} must be 16, 32, 64 or 128"
-    if c["STAGES"] not in (2, 3, 4):
-        return f"STAGES={c['STAGES']} must be 2, 3 or 4"
-    for key in ("FAST_TANH", "WGMMA"):
-        if not isinstance(c[key], bool):
-            return f"{key}={c[key]!r} must be true or false"
+    # The values each knob may take are the sweep file's (sweeps/m2rnn_fwd/tilelang.toml); the harness checks them.
     if dt == "float32" and c["PREC"] != "bf16x3":
         return f"PREC={c['PREC']!r}: float32 inputs need PREC = bf16x3 (fp32-accurate product)"
     if dt == "bfloat16" and c["PREC"] not in ("bf16", "bf16x2"):

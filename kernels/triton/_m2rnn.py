@@ -154,19 +154,11 @@ def dot_mode(config: dict, shape: dict) -> int:
 
 
 def common_reason(config: dict, shape: dict) -> str | None:
-    """The rules both M2RNN lanes share (dtype, warps, DOT, FAST_TANH); None when they hold."""
+    """The rules both M2RNN lanes share (dtype); None when they hold. The values each knob may take are
+    the sweep files' (sweeps/m2rnn_fwd/triton.toml, sweeps/m2rnn_bwd/triton.toml); the harness checks them."""
     if shape["dtype"] not in DTYPES:
         return f"dtype {shape['dtype']} not supported (have {', '.join(DTYPES)})"
-    if config["num_warps"] not in (1, 2, 4, 8):
-        return f"num_warps={config['num_warps']} must be 1, 2, 4 or 8"
-    if not isinstance(config["FAST_TANH"], bool):
-        return "FAST_TANH must be true or false"
-    if config["DOT"] not in DOTS:
-        return f"DOT={config['DOT']!r} must be one of {', '.join(DOTS)}"
     return None
-
-
-PREFETCHES = (1, 2, 4, 8)
 
 
 def slab(config: dict, shape: dict) -> int:
@@ -176,14 +168,8 @@ def slab(config: dict, shape: dict) -> int:
 
 def ksplit_reason(config: dict, shape: dict) -> str | None:
     ks = config["K_SPLIT"]
-    if ks not in (1, 2, 4) or slab(config, shape) * ks > block(shape["K"]):
-        return f"K_SPLIT={ks} must be 1, 2 or 4 with K/K_SPLIT >= 16 (K={shape['K']})"
-    return None
-
-
-def prefetch_reason(config: dict) -> str | None:
-    if config["PREFETCH"] not in PREFETCHES:
-        return f"PREFETCH={config['PREFETCH']!r} must be one of {', '.join(map(str, PREFETCHES))}"
+    if slab(config, shape) * ks > block(shape["K"]):
+        return f"K_SPLIT={ks}: K/K_SPLIT must be >= 16 (K={shape['K']})"
     return None
 
 

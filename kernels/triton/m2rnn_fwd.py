@@ -35,7 +35,7 @@ def config_reason(config: dict, shape: dict) -> str | None:
     reason = m2k.common_reason(config, shape)
     if reason:
         return reason
-    return m2k.ksplit_reason(config, shape) or m2k.prefetch_reason(config)
+    return m2k.ksplit_reason(config, shape)
 
 
 def smem_estimate(config: dict, shape: dict, target: str) -> int:

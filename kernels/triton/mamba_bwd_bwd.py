@@ -77,12 +77,7 @@ def config_reason(config: dict, shape: dict) -> str | None:
         # access, or non-finite DQ / DK / DANGLES (results/h100/mamba_bwd_bwd, run 20261125T074359Z); the
         # cause is not found (under the interpreter, one P step of all of P computes right).
         return f"KEY_BP={c['KEY_BP']}: the key-side P loop miscompiles at 64 columns (measured on sm_90a)"
-    for key in ("scan_warps", "key_warps", "chunk_warps"):
-        if c[key] not in (1, 2, 4, 8, 16):
-            return f"{key}={c[key]} must be 1, 2, 4, 8 or 16"
-    for key in ("scan_stages", "chunk_stages"):
-        if c[key] not in (1, 2, 3, 4):
-            return f"{key}={c[key]} must be 1 to 4"
+    # The values each knob may take are the sweep file's (sweeps/mamba_bwd_bwd/triton.toml); the harness checks them.
     return None
 
 
