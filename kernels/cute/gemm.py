@@ -45,7 +45,6 @@ KERNEL = "gemm"
 TUNABLES = ("PATH", "BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES", "CLUSTER_M", "CLUSTER_N", "GROUP_M")
 DEFAULTS = {"PATH": "auto", "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 4,
             "CLUSTER_M": 1, "CLUSTER_N": 1, "GROUP_M": 8}
-PATHS = ("auto", "wgmma", "mma_sync")
 DTYPES = ("float16", "bfloat16")
 TARGETS = ("sm_90a", "sm_120a", "sm_121a")
 _MBAR_REGION = 1024  # mbarrier ring, padded: the operand buffers that follow are 1024-byte aligned

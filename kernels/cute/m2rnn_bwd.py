@@ -55,7 +55,6 @@ TUNABLES = ("CKPT", "K_SPLIT", "FAST_TANH")
 DEFAULTS = {"CKPT": 16, "K_SPLIT": 1, "FAST_TANH": True}
 TARGETS = ("sm_90a", "sm_120a", "sm_121a")
 CKPTS = (4, 8, 16, 32)
-K_SPLITS = (1, 2, 4)
 V = 16
 F32, BF16, I32 = cutlass.Float32, cutlass.BFloat16, cutlass.Int32
 _LOG2E = 1.4426950408889634

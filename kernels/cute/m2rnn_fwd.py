@@ -51,7 +51,6 @@ KERNEL = "m2rnn_fwd"
 TUNABLES = ("ROWS_PER_WARP", "HEADS_PER_CTA", "CHUNK", "STAGES", "UNROLL", "FAST_TANH", "PRODUCT")
 DEFAULTS = {"ROWS_PER_WARP": 16, "HEADS_PER_CTA": 1, "CHUNK": 32, "STAGES": 2, "UNROLL": 2,
             "FAST_TANH": True, "PRODUCT": "auto"}
-PRODUCTS = ("auto", "mma_bf16", "fma_fp32")
 TARGETS = ("sm_90a", "sm_100a", "sm_120a", "sm_121a")
 DTYPES = ("float32", "bfloat16")
 _NAMES = ("q", "k", "v", "W", "f", "h0", "y", "h_final")

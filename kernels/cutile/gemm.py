@@ -115,10 +115,6 @@ def _kernel(config: dict):
     return _KERNELS[key]
 
 
-def _pow2(v: int) -> bool:
-    return v > 0 and not v & (v - 1)
-
-
 def config_reason(config: dict, shape: dict) -> str | None:
     """Why ``config`` cannot run ``shape`` (None when it can). Pure arithmetic, no compile."""
     if shape["dtype"] not in DTYPES:

@@ -177,7 +177,6 @@ def _cell(X, b, h, c, jb, pb, BJ, BP):
 def _scan(Q, QB, ANG, DA, DOUT, PHI, Z, ZETA, DS,
           HG: K_, N: K_, P: K_, R: K_, C: K_, NR: K_, BJ: K_, BP: K_, HAS_Z: B_, REDUCE_O: B_):
     """dS_c for every chunk c (the gradient of the state leaving chunk c; zero for the last)."""
-    F = C * R
     NHB = N // 2 // BJ
     NPB = P // BP
     NC = Q.shape[1] // C

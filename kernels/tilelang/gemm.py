@@ -53,8 +53,6 @@ DEFAULTS = {"block_M": 128, "block_N": 256, "block_K": 64, "num_stages": 3, "thr
             "warp_specialized": True, "aggressive_smem_merge": False}
 TARGETS = tl.TARGETS
 DTYPES = ("float16", "bfloat16")
-POLICIES = ("Square", "FullRow", "FullCol")
-EPILOGUES = ("direct", "smem")
 _ELEM = {"float16": 2, "bfloat16": 2}
 
 
