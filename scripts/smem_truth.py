@@ -64,7 +64,7 @@ def tilelang_cubin(shape: dict, target: str) -> tuple[bytes, str]:
     cfg = _seed("tilelang", gemm)
     art = tl.lower(gemm._program(cfg, shape), target, gemm._pass_configs(cfg))
     cubin = tl.cubin_of(art.kernel_source, target, gemm._pass_configs(cfg), use_cache=False)
-    return cubin, f"tilelang reader {tl.resource_usage(cubin, target)[0]['static_smem']}"
+    return cubin, f"tilelang reader {tl.resource_usage(cubin, target)['static_smem']}"
 
 
 def cute_cubin(shape: dict, target: str) -> tuple[bytes, str]:
