@@ -157,11 +157,22 @@ def ok_rows(df: pd.DataFrame) -> pd.DataFrame:
     return df[keep]
 
 
+def _default_shapes(kernel: str) -> list[str]:
+    """The kernel's default shapes (sweeps/<kernel>/shapes.toml); none when the kernel has no shapes file."""
+    try:
+        return space.load_shapes(kernel)[1]
+    except (LabError, FileNotFoundError):
+        return []
+
+
 def newest_per_shape(rows: pd.DataFrame) -> pd.DataFrame:
     return rows.sort_values("time_utc").groupby("shape", sort=True).tail(1)
 
 
-def _evaluate(entry: Entry, rows: pd.DataFrame, module: str, current: dict, pins: dict) -> None:
+def _evaluate(entry: Entry, rows: pd.DataFrame, module: str, current: dict, pins: dict,
+              unmeasured: list[str] = ()) -> None:
+    """``unmeasured``: default shapes of a required entry that no row of this lane and device names (not
+    even a refusal): the entry is stale at them, as a lane measured at one shape is not fresh at four."""
     if rows.empty:
         entry.status = "never measured"
         return
@@ -177,12 +188,17 @@ def _evaluate(entry: Entry, rows: pd.DataFrame, module: str, current: dict, pins
         others += [c for c in other if c not in others]
         entry.emulated = entry.emulated or bool(r["emulated"])
     entry.stale_shapes.sort()
-    if not entry.stale_shapes:
+    missing = sorted(set(unmeasured) - set(entry.stale_shapes))
+    if not entry.stale_shapes and not missing:
         entry.status = "fresh"
         return
     entry.status = "stale"
     entry.changes = ([f"lane code {', '.join(sorted(files))}"] if files else []) + others
-    entry.changes.append(f"shapes {', '.join(entry.stale_shapes)}")
+    if entry.stale_shapes:
+        entry.changes.append(f"shapes {', '.join(entry.stale_shapes)}")
+    if missing:
+        entry.changes.append(f"default shapes never measured {', '.join(missing)}")
+        entry.stale_shapes = sorted(entry.stale_shapes + missing)
 
 
 @dataclass
@@ -251,6 +267,9 @@ def evaluate(df: pd.DataFrame, devices: list[str] | None = None, base: str | Non
                 keys = {k for v in mine["versions_json"] for k in json.loads(v or "{}")} - _NOT_PINNED
                 e.touched = diff.touches(lane, keys)
                 e.required = need and e.touched
-            _evaluate(e, mine, lane.module_name, current, pins)
+            tried = set(df[(df["kernel"] == lane.kernel) & (df["dsl"] == lane.dsl)
+                           & (df["requested_profile"] == device)]["shape"]) if not df.empty else set()
+            unmeasured = [s for s in _default_shapes(lane.kernel) if s not in tried] if need else []
+            _evaluate(e, mine, lane.module_name, current, pins, unmeasured)
             entries.append(e)
     return entries

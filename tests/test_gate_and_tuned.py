@@ -65,6 +65,14 @@ def _git(repo, *args):
     return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
 
 
+def _default_shapes(lab_env, names):
+    path = lab_env.sweeps / "gemm" / "shapes.toml"
+    text = path.read_text()
+    first = text.index("\ndefault = ")
+    end = text.index("\n", first + 1)
+    path.write_text(text[:first] + "\ndefault = " + json.dumps(names) + text[end:])
+
+
 @pytest.fixture
 def repo(tmp_path, monkeypatch, lab_env):
     root = tmp_path / "repo"
@@ -82,6 +90,7 @@ def repo(tmp_path, monkeypatch, lab_env):
     _git(root, "-c", "user.email=t@t", "-c", "user.name=t", "add", "-A")
     _git(root, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "first")
     (lab_env.sweeps / "gate.toml").write_text('[required]\ndefault = []\ngemm = ["h100"]\n')
+    _default_shapes(lab_env, ["sq4096_bf16"])   # the toy lanes are measured at this one shape
     monkeypatch.setattr(identity, "ROOT", root)
     monkeypatch.setenv("LAB_KERNEL_PACKAGES", "gatepkg")
     monkeypatch.syspath_prepend(str(root))
@@ -227,6 +236,20 @@ def test_gate_device_never_measured_and_emulated_command(repo, lab_env):
     assert ("toy2", "h200") not in _entries(df)
 
 
+def test_gate_default_shape_never_measured_is_stale_until_tried(repo, lab_env):
+    """A required lane measured at one default shape is not fresh at another that no row names; a row of
+    any status there (a refusal too) counts as tried."""
+    _default_shapes(lab_env, ["sq4096_bf16", "sq8192_bf16"])
+    df = _write(repo, [_row("toy", commit=repo.head)])
+    e = _entries(df)[("toy", "h100")]
+    assert e.status == "stale" and e.failing and e.stale_shapes == ["sq8192_bf16"]
+    assert e.changes == ["default shapes never measured sq8192_bf16"]
+    assert e.command() == "python -m lab sweep gemm --device h100 --dsl toy --shape sq8192_bf16"
+    df = _write(repo, [_row("toy", commit=repo.head),
+                       _row("toy", commit=repo.head, shape="sq8192_bf16", status="infeasible")])
+    assert _entries(df)[("toy", "h100")].status == "fresh"
+
+
 def test_reference_lanes_are_listed_but_never_required(lab_env):
     # The real torch M2RNN lanes are fp32 reference loops (BASELINE_KIND "reference").
     registry._LANES.clear()
@@ -366,7 +389,9 @@ class ABRunner:
 
 
 def _committed_sim_row(lab_env, config, lane_files):
-    """A previous ok row of the sim lane at the checkout's commit, with the identity given."""
+    """A previous ok row of the sim lane at the checkout's commit, with the identity given; "tiny" is the
+    one default shape (the gate holds a required lane to every default shape)."""
+    _default_shapes(lab_env, ["tiny"])
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=identity.ROOT, capture_output=True, text=True).stdout.strip()
     row = _row("toy", commit=head, shape="tiny", config=config)
     row.update(dsl="sim", run_id="previous", versions_json=json.dumps(
