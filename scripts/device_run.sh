@@ -4,7 +4,7 @@
 # Each argument is one `python -m lab ...` command line, or `scripts/NAME.py ARGS` run as a script. Carry .whl (wheels of the packages the
 # image lacks: optuna and its needs, see README "Running on the GPU machine"); when the DSL parts of
 # ../shared/gpu/pack.sh were unpacked on this warm machine, /opt/labsite/env.sh is sourced too.
-# results/ is packed into $OUT/results.tgz at the end (also after a failing command).
+# results/ is packed into $OUT/results.tgz after every command (also after a failing one).
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 LAB_CACHE_DIR="${LAB_CACHE_DIR:-/tmp/labcache}"
@@ -45,6 +45,8 @@ for cmd in "$@"; do
   r=${PIPESTATUS[0]}
   echo "=== [$i] exit $r" | tee -a "$OUT/log.txt"
   [ "$r" -ne 0 ] && rc=$r
+  # Packed after every command: a call killed at its limit still brings back what finished before
+  # (2026-11-25: a call that hung in a later step lost the rows of the commands before it).
+  tar czf "$OUT/results.tgz.part" results && mv "$OUT/results.tgz.part" "$OUT/results.tgz"
 done
-tar czf "$OUT/results.tgz" results
 exit $rc
