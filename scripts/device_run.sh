@@ -41,12 +41,16 @@ for cmd in "$@"; do
   case "$cmd" in scripts/*) run=(python3);; *) run=(python3 -m lab);; esac
   echo "=== [$i] ${run[*]} $cmd" | tee -a "$OUT/log.txt"
   # LAB_CMD_TIMEOUT (seconds) stops a command early enough for results.tgz to be written below.
-  timeout -k 30 -s INT "${LAB_CMD_TIMEOUT:-0}" "${run[@]}" $cmd $extra 2>&1 | tee -a "$OUT/log.txt"
-  r=${PIPESTATUS[0]}
+  # Output goes to the log file, not through a pipe: a process the command leaves behind (the fault
+  # campaign's killed sweep left its workers) would hold a pipe open and block the script forever
+  # (2026-11-25: a call lost to its limit that way, rows and all); the log part is printed after.
+  start=$(wc -c < "$OUT/log.txt")
+  timeout -k 30 -s INT "${LAB_CMD_TIMEOUT:-0}" "${run[@]}" $cmd $extra >> "$OUT/log.txt" 2>&1 < /dev/null
+  r=$?
+  tail -c +$((start + 1)) "$OUT/log.txt"
   echo "=== [$i] exit $r" | tee -a "$OUT/log.txt"
   [ "$r" -ne 0 ] && rc=$r
-  # Packed after every command: a call killed at its limit still brings back what finished before
-  # (2026-11-25: a call that hung in a later step lost the rows of the commands before it).
+  # Packed after every command: a call killed at its limit still brings back what finished before.
   tar czf "$OUT/results.tgz.part" results && mv "$OUT/results.tgz.part" "$OUT/results.tgz"
 done
 exit $rc

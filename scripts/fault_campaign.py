@@ -66,7 +66,10 @@ def main(argv=None) -> int:
                "--shape", SHAPE, "--sampler", "grid", "--trials", "100", "--timeout", str(args.timeout),
                "--no-baseline", "--no-confirm", "--no-progress", "--results", str(out)]
         t_start = time.time()
-        first = subprocess.Popen(cmd, cwd=ROOT, env=_env(sweeps))
+        # Its own process group: the SIGKILL below hits the sweep process alone (its workers are orphaned,
+        # as when that process dies), and the group is reaped after it so that no orphan keeps the GPU
+        # or the caller's output open.
+        first = subprocess.Popen(cmd, cwd=ROOT, env=_env(sweeps), start_new_session=True)
         while first.poll() is None and len(_rows(out, before)) < args.kill_after:
             time.sleep(0.5)
         killed_at = time.time()
@@ -74,6 +77,10 @@ def main(argv=None) -> int:
         if first.poll() is None:
             first.send_signal(signal.SIGKILL)
         first.wait()
+        try:
+            os.killpg(first.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         restart = time.time()
         second = subprocess.run(cmd, cwd=ROOT, env=_env(sweeps))
         t_end = time.time()

@@ -21,8 +21,7 @@ bin=$(dirname "$(ls "$prefix"/usr/lib/postgresql/*/bin/initdb | sort -V | tail -
 dir=$(mktemp -d /tmp/labpg.XXXXXX)
 as=(env "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}" TZ=UTC)
 if [ "$(id -u)" = 0 ]; then chown postgres "$dir"; as=(runuser -u postgres -- "${as[@]}"); fi  # the server refuses root
-# Bounded steps: on the GPU machine (2026-11-25) this script hung until the call's limit, step unknown;
-# a stuck step now fails with the server's log on stderr instead.
+# Bounded steps: a stuck step fails with the server's log on stderr instead of holding the caller.
 fail() { echo "pg_start.sh: $1 failed or timed out; server log:" >&2; cat "$dir/log" >&2 2>/dev/null; exit 1; }
 timeout 120 "${as[@]}" "$bin/initdb" -D "$dir/data" -A trust -U postgres >/dev/null </dev/null || fail initdb
 timeout 90 "${as[@]}" "$bin/pg_ctl" -D "$dir/data" -o "-k $dir -c listen_addresses=''" -l "$dir/log" -t 60 -w start \
