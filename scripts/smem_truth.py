@@ -2,13 +2,12 @@
 
     python scripts/smem_truth.py [--target sm_90a]       # on a GPU of that target
 
-The TileLang lanes read cuobjdump's SHARED and take 1 KiB off on sm_90+ (kernels/tilelang/_common.py
-``resource_usage``); the CuTe DSL and cuTile lanes count the cubin's .nv.shared sections as they are
-(kernels/_cubin.py). This compiles one GEMM cubin per DSL (each lane's first seed at sq4096_bf16), loads it
+The lanes take the 1 KiB per-block reservation off a cubin's .nv.shared.<kernel> section on sm_90+
+(kernels/_launch_smem.py, kernels/tilelang/_common.py); this script is the measurement behind that rule
+(H100, 2026-11-25: results/logs/20261125T220405Z-mamba_bwd_bwd-h100-972-log.txt, read before the rule). This compiles one GEMM cubin per DSL (each lane's first seed at sq4096_bf16), loads it
 with the CUDA driver (ctypes, libcuda) and prints, per cubin: the driver's CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES
 (static, bytes) and NUM_REGS beside the .nv.shared.<kernel> and .nv.shared.reserved.* section sizes and
-the figure each lane's reader gives. Which reader's rule matches the driver decides how one shared reader
-should count (issue 26).
+the figure each lane's reader gives.
 """
 from __future__ import annotations
 
@@ -73,7 +72,7 @@ def cute_cubin(shape: dict, target: str) -> tuple[bytes, str]:
     with tempfile.TemporaryDirectory() as d:
         gemm._compile(cfg, shape, target, f"--keep-cubin --dump-dir {d}")
         path = [os.path.join(d, f) for f in os.listdir(d) if f.endswith(".cubin")][0]
-        static, _, _ = gemm._cubin_resources(path)
+        static, _, _ = gemm._cubin_resources(path, target)
         return Path(path).read_bytes(), f"cute reader {static}"
 
 
@@ -81,7 +80,7 @@ def cutile_cubin(shape: dict, target: str) -> tuple[bytes, str]:
     from kernels.cutile import gemm
     cfg = _seed("cutile", gemm)
     cubin = gemm._compile_cubin(cfg, shape, gemm._gpu_code(target))
-    return cubin, f"cutile reader {gemm.cubin_resources(cubin)['smem_bytes']}"
+    return cubin, f"cutile reader {gemm.cubin_resources(cubin, target)['smem_bytes']}"
 
 
 def main(argv=None) -> int:

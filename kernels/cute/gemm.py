@@ -38,7 +38,7 @@ from cutlass.tensor_utils import LayoutEnum
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 
-from kernels import _cubin, _targets
+from kernels import _cubin, _launch_smem, _targets
 
 DSL = "cute"
 KERNEL = "gemm"
@@ -125,15 +125,22 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
       1024 B for the mbarrier ring (2 x STAGES x 8 B, padded because the next member is 1024-B aligned)
       + STAGES x BLOCK_M x BLOCK_K x 2 B (A ring) + STAGES x BLOCK_N x BLOCK_K x 2 B (B ring).
     The epilogue's C staging buffers alias the A ring (the ring is idle by then), so they add nothing.
-    Static part, which the compiled cubin carries in its .nv.shared sections: 1024 B that ptxas reserves
-    in front of the 1024-aligned dynamic window, plus 64 B of driver-reserved shared memory on sm_12x
-    (``.nv.shared.reserved.0``). The tests hold this to the compiled figure (equal).
+    Static part: ``static_smem`` (the .nv.shared sections as the driver counts them). The tests hold
+    this to the compiled figure (equal).
     """
     elem = 2
     bm, bn, bk, st = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"], config["STAGES"]
     dynamic = _MBAR_REGION + st * (bm * bk + bn * bk) * elem
-    static = 1024 + (64 if _targets.cc(target) >= 120 else 0)
-    return dynamic + static
+    return dynamic + static_smem(target)
+
+
+def static_smem(target: str) -> int:
+    """Static shared memory of a CuTe DSL kernel as a launch counts it, bytes: its .nv.shared section (the
+    1 KiB ptxas puts there, which on sm_90+ is the per-block reservation the driver does not count:
+    ``_launch_smem.driver_static``) plus the 64 B .nv.shared.reserved section on sm_100 and newer. Shared by
+    the CuTe DSL lanes' estimates; the tests hold them to the compiled figures."""
+    arch = _targets.cc(target)
+    return (0 if arch >= 90 else _launch_smem.BLOCK_RESERVATION) + (64 if arch >= 100 else 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -548,7 +555,7 @@ def compile_for(config: dict, shape: dict, target: str) -> dict:
         cubins = [os.path.join(d, f) for f in os.listdir(d) if f.endswith(".cubin")]
         if len(cubins) != 1:
             raise RuntimeError(f"expected one cubin in {d}, found {os.listdir(d)}")
-        static, regs, name = _cubin_resources(cubins[0])
+        static, regs, name = _cubin_resources(cubins[0], target)
         dynamic = _launch_dynamic_smem(str(fn.ir_module))
     return {"smem_bytes": dynamic + static, "smem_dynamic": dynamic, "smem_static": static,
             "registers": regs, "compile_s": seconds, "binary": "cubin", "kernel": name}
@@ -579,7 +586,7 @@ def _launch_dynamic_smem(host_ir: str) -> int:
     return values[0]
 
 
-def _cubin_resources(path: str) -> tuple[int, int | None, str]:
+def _cubin_resources(path: str, target: str) -> tuple[int, int | None, str]:
     """(static shared bytes, registers per thread, kernel name) of the single kernel in a cubin.
 
     Static shared memory counts the kernel's .nv.shared section and the reserved one (see
@@ -588,7 +595,7 @@ def _cubin_resources(path: str) -> tuple[int, int | None, str]:
     """
     with open(path, "rb") as f:
         r = _cubin.resources(f.read())
-    return r["static"] + r["reserved"], r["registers"], r["kernel"]
+    return _launch_smem.driver_static(r, target) + r["reserved"], r["registers"], r["kernel"]
 
 
 # ---- running -------------------------------------------------------------------------------------
@@ -606,7 +613,7 @@ def build(config: dict, shape: dict):
     with tempfile.TemporaryDirectory(prefix=f"cute_gemm_{target}_") as d:
         fn = _compile(config, shape, target, f"--keep-cubin --dump-dir {d}")
         cubins = [os.path.join(d, f) for f in os.listdir(d) if f.endswith(".cubin")]
-        static, regs, _ = _cubin_resources(cubins[0]) if len(cubins) == 1 else (0, None, "")
+        static, regs, _ = _cubin_resources(cubins[0], target) if len(cubins) == 1 else (0, None, "")
     info = {"smem_bytes": _launch_dynamic_smem(str(fn.ir_module)) + static, "registers": regs, "spills": None}
     dt = _dtype_cls(shape["dtype"])
     want = getattr(torch, shape["dtype"])

@@ -47,6 +47,7 @@ import torch
 
 from kernels import _targets
 from kernels.cute import _aot
+from kernels.cute.gemm import static_smem
 from lab.problems import _m2rnn as m2
 
 DSL = "cute"
@@ -131,10 +132,9 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
     """Shared memory per CTA of the backward kernel (the larger of the two), bytes: (CKPT + 1) states
     of R x 16 fp32, two input buffers of CKPT steps (q, k: R bf16, v, dy: 16 bf16, f: fp32), the
     per-segment staging of dq, dk (R fp32), dv (16 fp32 per warp), df (fp32 per warp); plus the static
-    1024 bytes the DSL's cubins carry and 64 reserved on sm_12x (kernels/cute/gemm.py). Meant to equal
-    the compiled figure (the tests check it)."""
+    part (kernels/cute/gemm.py ``static_smem``). Meant to equal the compiled figure (the tests check it)."""
     config = {**DEFAULTS, **config}
-    return _bwd_layout(config, shape)["TOTAL"] + 1024 + (64 if _targets.cc(target) >= 120 else 0)
+    return _bwd_layout(config, shape)["TOTAL"] + static_smem(target)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -583,7 +583,7 @@ def _compile(config: dict, shape: dict, target: str, backward: bool, options: st
 
 def _compile_one(config, shape, target, backward):
     return _aot.compile_with_resources(lambda opts: _compile(config, shape, target, backward, opts),
-                                       f"cute_m2rnn_{target}_")
+                                       f"cute_m2rnn_{target}_", target)
 
 
 def compile_for(config: dict, shape: dict, target: str) -> dict:

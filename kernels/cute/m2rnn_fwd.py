@@ -44,7 +44,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from kernels import _targets
 from kernels.cute import _aot
-from kernels.cute.gemm import versions  # noqa: F401 (versions: lane interface)
+from kernels.cute.gemm import static_smem, versions  # noqa: F401 (versions: lane interface)
 
 DSL = "cute"
 KERNEL = "m2rnn_fwd"
@@ -126,14 +126,10 @@ def _smem_parts(config: dict, shape: dict) -> dict:
 def smem_estimate(config: dict, shape: dict, target: str) -> int:
     """Shared memory per CTA in bytes: the input ring (k, q, v rows in the input dtype, f in fp32, STAGES
     chunks of CHUNK steps per head) plus two chunks of per-warp fp32 y partials, each array padded to
-    128 B, plus the static part the cubin carries (1 KiB reserved by ptxas; + 64 B on sm_100a and sm_12x). The
-    tests hold it to the compiled figure."""
+    128 B, plus the static part (kernels/cute/gemm.py ``static_smem``). The tests hold it to the compiled
+    figure."""
     dynamic = sum(-(-b // 128) * 128 for b in _smem_parts(config, shape).values())
-    return dynamic + _static_smem(target)
-
-
-def _static_smem(target: str) -> int:
-    return 1024 + (64 if _targets.cc(target) >= 100 else 0)
+    return dynamic + static_smem(target)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -534,7 +530,7 @@ def _compile(config: dict, shape: dict, target: str, options: str):
 
 def _compile_with_resources(config: dict, shape: dict, target: str):
     return _aot.compile_with_resources(lambda opts: _compile(config, shape, target, opts),
-                                       f"cute_m2rnn_fwd_{target}_")
+                                       f"cute_m2rnn_fwd_{target}_", target)
 
 
 def compile_for(config: dict, shape: dict, target: str) -> dict:

@@ -34,7 +34,7 @@ import time
 import torch
 import cuda.tile as ct
 
-from kernels import _cubin, _targets
+from kernels import _cubin, _launch_smem, _targets
 
 DSL = "cutile"
 KERNEL = "gemm"
@@ -197,17 +197,19 @@ def _signature(config: dict, shape: dict):
 
 # ---- reading the cubin (ELF) -------------------------------------------------------------------
 
-def cubin_resources(cubin: bytes) -> dict:
-    """Shared memory, registers and stack of the (single) kernel in a tileiras cubin.
+def cubin_resources(cubin: bytes, target: str) -> dict:
+    """Shared memory, registers and stack of the (single) kernel in a tileiras cubin for ``target``.
 
-    ``smem_bytes`` is the static shared memory (the ``.nv.shared.<kernel>`` section, the figure
-    ``cuobjdump --dump-resource-usage`` prints as SHARED) plus the ``.nv.shared.reserved.*`` sections
-    the compiler reserves beside it. cuTile kernels use no dynamic shared memory (cuda-tile 1.7.0 JIT
-    launches them with none), so this is what a launch requests.
+    ``smem_bytes`` is the static shared memory as the driver counts it (``_launch_smem.driver_static``: the
+    ``.nv.shared.<kernel>`` section less the 1 KiB sm_90+ reservation) plus the ``.nv.shared.reserved.*``
+    sections the compiler reserves beside it. cuTile kernels use no dynamic shared memory (cuda-tile 1.7.0
+    JIT launches them with none), so this is what a launch requests. ``smem_section`` is the raw section
+    (cuobjdump's SHARED).
     """
     r = _cubin.resources(cubin)
-    return {"smem_bytes": r["static"] + r["reserved"], "smem_static": r["static"], "smem_reserved": r["reserved"],
-            "registers": r["registers"], "stack_bytes": r["stack"]}
+    static = _launch_smem.driver_static(r, target)
+    return {"smem_bytes": static + r["reserved"], "smem_static": static, "smem_section": r["static"],
+            "smem_reserved": r["reserved"], "registers": r["registers"], "stack_bytes": r["stack"]}
 
 
 def export_cubin(kernel, signature, gpu_code: str) -> bytes:
@@ -243,7 +245,7 @@ def compile_for(config: dict, shape: dict, target: str) -> dict:
     t0 = time.perf_counter()
     cubin = _compile_cubin(config, shape, _gpu_code(target))
     seconds = time.perf_counter() - t0
-    res = cubin_resources(cubin)
+    res = cubin_resources(cubin, target)
     return {**res, "compile_s": seconds, "binary": "cubin"}
 
 
@@ -284,7 +286,7 @@ def _launch_info(kernel, args) -> dict:
         sig = KernelSignature.from_kernel_args(kernel, args, CallingConvention.cutile_python_v1())
         buf = io.BytesIO()
         export_kernel(kernel, [sig], buf, gpu_code=get_sm_arch(), output_format="cubin")
-        res = cubin_resources(buf.getvalue())
+        res = cubin_resources(buf.getvalue(), get_sm_arch())
     except Exception as exc:  # launch info is informative only; the launch itself already ran
         return {"launch_info_error": f"{type(exc).__name__}: {exc}"[:300]}
     stack = res.get("stack_bytes")

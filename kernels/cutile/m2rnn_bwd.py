@@ -843,7 +843,7 @@ def compile_for(config: dict, shape: dict, target: str) -> dict:
     t0 = time.perf_counter()
     cubins = compile_cubins(config, shape, target)
     seconds = time.perf_counter() - t0
-    res = {name: cubin_resources(c) for name, c in cubins.items()}
+    res = {name: cubin_resources(c, target) for name, c in cubins.items()}
     top = {key: max(r[key] or 0 for r in res.values()) for key in ("smem_bytes", "registers", "stack_bytes")}
     return {**top, "compile_s": seconds, "binary": "cubin", "kernels": res}
 

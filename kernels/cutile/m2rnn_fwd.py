@@ -338,7 +338,7 @@ def compile_for(config: dict, shape: dict, target: str) -> dict:
         raise ValueError(reason)
     t0 = time.perf_counter()
     cubin = _compile_cubin(config, shape, _gpu_code(target))
-    res = cubin_resources(cubin)
+    res = cubin_resources(cubin, target)
     return {**res, "compile_s": time.perf_counter() - t0, "binary": "cubin"}
 
 

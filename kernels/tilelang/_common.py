@@ -78,7 +78,8 @@ def resource_usage(cubin: bytes, target: str) -> dict:
     variables reads SHARED:1024 for sm_90a and sm_121a, and on an H100 TileLang cubins reading 2048 / 1024
     had driver static sizes 1024 / 0. That 1 KiB is the per-block reservation the opt-in limit
     (232,448 B on H100, 101,376 B on GB10) is already net of, so it is taken off here: the figure
-    returned is what counts against the opt-in limit."""
+    returned is what counts against the opt-in limit (kernels/_launch_smem.py applies the same rule to
+    the CuTe DSL and cuTile cubins; the driver's figures behind it are there)."""
     r = _cubin.resources(cubin)
     static = r["static"]
     if cc(target) >= 90:
