@@ -149,4 +149,3 @@ def write_log(results_dir: str | os.PathLike, run_ids: list[str], name: str, tex
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text(text + "\n")
     return log
-

@@ -133,6 +133,11 @@ class Space:
                 out.append(table[key])
         return out
 
+    def unlisted(self, config: dict) -> list[str]:
+        """``KEY=VALUE`` for each param of ``config`` whose value the [params] list does not hold."""
+        return [f"{k}={json.dumps(v)}" for k, v in config.items()
+                if k in self.params and not any(same_value(v, c) for c in self.params[k])]
+
     def value_reason(self, config: dict, defaults: dict, retired: tuple = ()) -> str | None:
         """Why ``config`` (a full config) is outside this space, in one line, or None: a value that is not
         one of its tunable's allowed values (``allowed``; compared with its type, so true is not 1), else

@@ -50,21 +50,22 @@ def open_storage(url: str):
 def create_database(server_url: str, name: str) -> str:
     """Create database ``name`` (dropped first if it exists) on the PostgreSQL server of ``server_url``;
     returns its URL (the server URL with the database name replaced, query kept)."""
-    import sqlalchemy as sa
-    admin = sa.create_engine(server_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as c:
-        c.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        c.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    admin.dispose()
+    _admin(server_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)', f'CREATE DATABASE "{name}"')
     base, _, query = server_url.partition("?")
     return f"{base.rsplit('/', 1)[0]}/{name}" + (f"?{query}" if query else "")
 
 
 def drop_database(server_url: str, name: str) -> None:
+    _admin(server_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _admin(server_url: str, *statements: str) -> None:
+    """Run statements outside a transaction (CREATE / DROP DATABASE need that) on the server's database."""
     import sqlalchemy as sa
     admin = sa.create_engine(server_url, isolation_level="AUTOCOMMIT")
     with admin.connect() as c:
-        c.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        for statement in statements:
+            c.execute(sa.text(statement))
     admin.dispose()
 
 

@@ -340,8 +340,7 @@ class Sweep:
             # a seed naming a value the file no longer lists (a pruned sweep file) cannot be a trial of
             # this study; the gate still times that config with the code it was measured with.
             cfg = lane.full_config({k: v for k, v in seed_cfg.items() if k in mod.TUNABLES})
-            unlisted = [f"{k}={json.dumps(v)}" for k, v in cfg.items()
-                        if k in space.params and not any(space_mod.same_value(v, c) for c in space.params[k])]
+            unlisted = space.unlisted(cfg)
             if unlisted:
                 self.out(f"{lane.dsl:8s} {shape_name}: seed not in {space.where} ({', '.join(unlisted)}): "
                          f"not a trial of this sweep")
