@@ -176,3 +176,40 @@ def smem_points(df: pd.DataFrame) -> pd.DataFrame:
     out = out.assign(error=out["estimate"] - out["compiled"],
                      wrong_side=(out["estimate"] <= out["limit"]) != (out["compiled"] <= out["limit"]))
     return out[cols].reset_index(drop=True)
+
+
+def _best(rows: pd.DataFrame) -> tuple[str | None, float | None, str]:
+    """The best config of one lane at one shape in one run: its A/B-confirmed median when the run
+    confirmed one, else its fastest ok sweep trial; (config_json, ms, "confirm" | "sweep")."""
+    ok = rows[(rows["status"] == "ok") & rows["time_ms"].notna()]
+    for phase in ("confirm", "sweep"):
+        p = ok[ok["phase"] == phase]
+        if not p.empty:
+            r = p.sort_values("time_ms").iloc[0]
+            return r["config_json"], float(r["time_ms"]), phase
+    return None, None, ""
+
+
+def compare_runs(a: pd.DataFrame, b: pd.DataFrame, noise: float = 0.03) -> pd.DataFrame:
+    """Two sweeps of the same study size side by side (rows of run(s) ``a`` and of run(s) ``b``), one row
+    per (kernel, dsl, shape): configs each measured (sweep phase, every status), configs measured more
+    than once within one side (``twice``: must be 0), each side's best config and median (ms, see _best),
+    ``ratio`` = b's best / a's best and ``verdict``: same config, within noise (|ratio - 1| <= ``noise``)
+    or differs."""
+    key = ["kernel", "dsl", "shape"]
+    cols = key + ["configs_a", "configs_b", "twice", "ms_a", "ms_b", "ratio", "verdict", "config_a", "config_b"]
+    groups = sorted(set(map(tuple, a[key].values)) | set(map(tuple, b[key].values)))
+    recs = []
+    for k in groups:
+        ga = a[(a[key] == pd.Series(k, index=key)).all(axis=1)]
+        gb = b[(b[key] == pd.Series(k, index=key)).all(axis=1)]
+        sa, sb = ga[ga["phase"] == "sweep"], gb[gb["phase"] == "sweep"]
+        (ca, ma, _), (cb, mb, _) = _best(ga), _best(gb)
+        ratio = mb / ma if ma and mb else None
+        verdict = ("same config" if ca is not None and ca == cb else
+                   "within noise" if ratio is not None and abs(ratio - 1) <= noise else "differs")
+        recs.append(dict(zip(key, k)) | {
+            "configs_a": sa["config_json"].nunique(), "configs_b": sb["config_json"].nunique(),
+            "twice": int(sa["config_json"].duplicated().sum() + sb["config_json"].duplicated().sum()),
+            "ms_a": ma, "ms_b": mb, "ratio": ratio, "verdict": verdict, "config_a": ca, "config_b": cb})
+    return pd.DataFrame(recs, columns=cols) if recs else _empty(cols)

@@ -70,3 +70,17 @@ def test_dashboard_serves_a_study(lab_env, tmp_path):
     finally:
         p.kill()
         p.wait()
+
+
+def test_multi_gpu_study_reads_nvidia_smi_samples():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "scripts" / "multi_gpu_study.py"
+    spec = importlib.util.spec_from_file_location("multi_gpu_study", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    text = "0, 100, 5000\n1, 0, 700\n0, 50, 5200\n1, 30, 900\n[N/A], 1, 2\n"
+    u = mod.utilisation(text).set_index("gpu")
+    assert list(u.index) == [0, 1] and u.loc[0, "mean_util"] == 75 and u.loc[1, "busy_share"] == 0.5
+    assert u.loc[0, "peak_mem_mib"] == 5200 and u.loc[1, "samples"] == 2
+    assert mod.utilisation("").empty
