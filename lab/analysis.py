@@ -190,10 +190,18 @@ def _best(rows: pd.DataFrame) -> tuple[str | None, float | None, str]:
     return None, None, ""
 
 
+def measured_twice(rows: pd.DataFrame) -> int:
+    """Sweep rows of ``rows`` whose (kernel, dsl, shape, config) another row already measured. A config
+    the preflight rejects (``infeasible``) is not a measurement: each worker of a shared study records its
+    own rejection, with no compile and no GPU time."""
+    sw = rows[(rows["phase"] == "sweep") & (rows["status"] != "infeasible")]
+    return int(sw.duplicated(["kernel", "dsl", "shape", "config_json"]).sum())
+
+
 def compare_runs(a: pd.DataFrame, b: pd.DataFrame, noise: float = 0.03) -> pd.DataFrame:
     """Two sweeps of the same study size side by side (rows of run(s) ``a`` and of run(s) ``b``), one row
     per (kernel, dsl, shape): configs each measured (sweep phase, every status), configs measured more
-    than once within one side (``twice``: must be 0), each side's best config and median (ms, see _best),
+    than once within one side (``twice``, see measured_twice: must be 0), each side's best config and median (ms, see _best),
     ``ratio`` = b's best / a's best and ``verdict``: same config, within noise (|ratio - 1| <= ``noise``)
     or differs."""
     key = ["kernel", "dsl", "shape"]
@@ -210,6 +218,6 @@ def compare_runs(a: pd.DataFrame, b: pd.DataFrame, noise: float = 0.03) -> pd.Da
                    "within noise" if ratio is not None and abs(ratio - 1) <= noise else "differs")
         recs.append(dict(zip(key, k)) | {
             "configs_a": sa["config_json"].nunique(), "configs_b": sb["config_json"].nunique(),
-            "twice": int(sa["config_json"].duplicated().sum() + sb["config_json"].duplicated().sum()),
+            "twice": measured_twice(ga) + measured_twice(gb),
             "ms_a": ma, "ms_b": mb, "ratio": ratio, "verdict": verdict, "config_a": ca, "config_b": cb})
     return pd.DataFrame(recs, columns=cols) if recs else _empty(cols)

@@ -148,7 +148,8 @@ def version_changes(versions: dict, pins: dict[str, str]) -> list[str]:
 def ok_rows(df: pd.DataFrame) -> pd.DataFrame:
     """Measured, parity-checked rows at the lab's default precision (compile-only and failed trials
     excluded, and the gate's re-runs of previous code, phase gate_previous; runs with --precision are
-    studies of their own, not what a lane ships)."""
+    studies of their own, not what a lane ships; rows of test lanes, see registry.registered_rows)."""
+    df = registry.registered_rows(df)
     if df.empty:
         return df
     precision = df["precision"].fillna("") if "precision" in df else ""

@@ -170,6 +170,18 @@ def baseline_kind(dsl: str, kernel: str) -> str:
     return lane.baseline_kind
 
 
+def registered_rows(df):
+    """The rows of ``df`` (a results frame) written by lanes this registry knows: a test lane's rows (the
+    fault campaign's, tests/fault_lanes) stay in results/ as evidence but are no lane's tuned config,
+    report table or gate entry."""
+    if df.empty:
+        return df
+    known = set(dsls())
+    pairs = {(d, k) for d, k in df[["dsl", "kernel"]].drop_duplicates().itertuples(index=False)
+             if d in known and _module_name(d, k) is not None}
+    return df[[(d, k) in pairs for d, k in zip(df["dsl"], df["kernel"])]]
+
+
 def lanes_for(kernel: str) -> list[Lane]:
     """Every lane that has a file for ``kernel`` (importable or not)."""
     return [get(d, kernel) for d in dsls() if _module_name(d, kernel) is not None]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from lab import registry
 from lab.results import load
 
 GROUP = ["requested_profile", "emulated", "kernel", "shape"]
@@ -349,7 +350,7 @@ def write(path: Path, out: Path | None = None) -> Path:
     from lab.devices import LabError
     if not path.exists():
         raise LabError(f"no such results folder: {path}")
-    df = load(path)
+    df = registry.registered_rows(load(path))
     out = out or path / "report"
     out.mkdir(parents=True, exist_ok=True)
     md = markdown(df)

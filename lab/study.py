@@ -84,12 +84,16 @@ def storage_errors() -> tuple[type[BaseException], ...]:
     return (SQLAlchemyError,)
 
 
-def worker_identity() -> dict:
-    """Host and GPU of this worker, recorded on its trials and rows."""
+def worker_identity(measures: bool = False) -> dict:
+    """Host and GPU of this worker, recorded on its trials and rows: LAB_GPU_INDEX (set by --gpus), else
+    the first index CUDA_VISIBLE_DEVICES names, else 0 for a worker that ``measures`` on a GPU (the CUDA
+    default device), else none (compile-only)."""
     gpu = os.environ.get("LAB_GPU_INDEX")
     if gpu is None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
         gpu = visible.split(",")[0] if visible and visible.split(",")[0].isdigit() else None
+        if gpu is None and measures and not visible:
+            gpu = 0
     host = os.environ.get("LAB_HOST") or socket.gethostname()  # LAB_HOST: a name for a machine whose hostname says nothing
     return {"host": host, "gpu_index": int(gpu) if gpu is not None else None, "pid": os.getpid()}
 

@@ -200,7 +200,7 @@ class Sweep:
         self.writer = RunWriter(self.dir, self.run_id)
         self.storage = req.storage or f"sqlite:///{(self.dir / 'optuna.db').resolve()}"
         self._storage = None  # opened on first use (lab.study.open_storage)
-        self.worker = study_mod.worker_identity()
+        self.worker = study_mod.worker_identity(measures=mode.run_target is not None)
         self.commit, self.dirty = git_state()
         l2 = 0
         if mode.run_profile and mode.run_profile.l2_bytes:
@@ -428,12 +428,18 @@ class Sweep:
             if len(measured) + held >= target:
                 return False
             if req.sampler == "grid":  # every grid point gets its row, infeasible ones included
-                return len(measured.keys() | rejected_by_compile | rejected_cheap | pending) < space.size
+                return bool(queue) or grid_left()
             return len(measured.keys() | rejected_by_compile) < feasible_total
+
+        def grid_left() -> bool:
+            """Grid points this worker has neither measured, rejected nor queued (queued ones are still
+            to be measured: counting them as done dropped the queue's configs unmeasured)."""
+            return len(measured.keys() | rejected_by_compile | rejected_cheap | pending) < space.size
 
         while more():
             # Fill the look-ahead queue: proposals go through the cheap checks now, compiles in the pool.
-            while len(queue) <= req.prefetch and stale < STALE_STREAK:
+            while (len(queue) <= req.prefetch and stale < STALE_STREAK
+                   and (req.sampler != "grid" or grid_left())):
                 trial = study.ask(dists)
                 beats.start(trial)
                 for k, v in self.worker.items():

@@ -94,7 +94,7 @@ def main(argv=None) -> int:
         c = json.loads(r["config_json"])
         wall = "-" if pd.isna(r["wall_s"]) else f"{r['wall_s']:.1f}"
         lines.append(f"| {run_ids.index(r['run_id']) + 1} | {c['FAULT']} | {c['BLOCK']} | {r['status']} | {wall} | "
-                     f"{str(r['error'] or '')[:110].replace('|', '/')} |")
+                     f"{' '.join(str(r['error'] or '').split())[:110].replace('|', '/')} |")
     after = set(df["config_json"])
     second_rows = df[df["run_id"] != (run_ids[0] if run_ids else "")]
     recovery = (second_rows["t"].min().timestamp() - restart) if not second_rows.empty else float("nan")

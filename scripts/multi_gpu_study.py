@@ -11,6 +11,8 @@ samples every GPU's utilisation (%) every 0.5 s during each run. Prints, and wri
 share of samples above 0 % and the rows it measured; configs measured twice; and per (DSL, shape) each
 run's best config and median (ms, A/B-confirmed where the run confirmed), compared by
 lab.analysis.compare_runs. Exit status 1 when a config was measured twice or a sweep failed.
+``--from-runs ALL_IDS ONE_IDS`` writes the same comparison for runs already under <results> (a call
+that ran them apart), their wall times from the rows' stamps.
 """
 from __future__ import annotations
 
@@ -73,24 +75,14 @@ def run_sweep(args, gpus: str, work: Path) -> tuple[float, str, int]:
     return wall, (work / "smi.csv").read_text(), code
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kernel", required=True)
-    ap.add_argument("--device", default="h200")
-    ap.add_argument("--dsl", default="all")
-    ap.add_argument("--trials", type=int, default=2, help="measured configs per DSL and shape, both runs")
-    ap.add_argument("--results", default="results")
-    ap.add_argument("sweep_args", nargs="*", help="more sweep arguments for both runs (after --)")
-    args = ap.parse_args(argv)
-    out = Path(args.results)
-    seen = set(results.load(out)["run_id"]) if out.exists() else set()
-    runs = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, gpus in (("all", "all"), ("one", "0")):
-            wall, smi, code = run_sweep(args, gpus, Path(tmp) / name)
-            now = set(results.load(out)["run_id"])
-            runs[name] = {"wall": wall, "smi": utilisation(smi), "code": code, "ids": sorted(now - seen)}
-            seen = now
+def row_wall(rows: pd.DataFrame) -> float:
+    """Seconds from the earliest run id's start (its UTC stamp) to the last row the runs wrote."""
+    start = pd.to_datetime(rows["run_id"].str[:16], format="%Y%m%dT%H%M%SZ", utc=True).min()
+    return (pd.to_datetime(rows["time_utc"], utc=True).max() - start).total_seconds()
+
+
+def report(args, runs: dict, out: Path) -> int:
+    """The comparison of the "all" and "one" runs (see the module docstring); the exit status."""
     df = results.load(out)
     rows = {n: df[df["run_id"].isin(r["ids"])] for n, r in runs.items()}
     cmp = analysis.compare_runs(rows["one"], rows["all"])
@@ -100,9 +92,12 @@ def main(argv=None) -> int:
     for n, r in runs.items():
         measured = rows[n][rows[n]["phase"] == "sweep"]
         per_gpu = measured.groupby(measured["gpu_index"].fillna(-1).astype(int)).size().to_dict()
-        lines.append(f"- --gpus {'all' if n == 'all' else '0'}: wall {r['wall']:.1f} s, exit {r['code']}, "
-                     f"sweep rows {len(measured)} (per GPU index: {per_gpu}), actual GPU "
+        lines.append(f"- --gpus {'all' if n == 'all' else '0'}: wall {r['wall']:.1f} s ({r['wall_source']}), "
+                     f"exit {r['code']}, sweep rows {len(measured)} (per GPU index: {per_gpu}), actual GPU "
                      f"{sorted(rows[n]['actual_gpu'].dropna().unique())}")
+        if r["smi"] is None:
+            lines.append("  - no nvidia-smi samples")
+            continue
         for u in r["smi"].itertuples():
             lines.append(f"  - GPU {u.gpu}: {u.samples} samples, mean utilisation {u.mean_util:.1f} %, "
                          f"busy (> 0 %) in {100 * u.busy_share:.0f} % of samples, peak memory {u.peak_mem_mib} MiB")
@@ -110,16 +105,51 @@ def main(argv=None) -> int:
     lines += [f"- wall time one GPU / all GPUs: {speed:.2f}x", "",
               "| dsl | shape | configs (one / all) | twice | best ms one GPU | best ms all GPUs | all / one | verdict |",
               "|---|---|---|---|---|---|---|---|"]
+    fmt = lambda v: "-" if v is None or pd.isna(v) else f"{v:.4f}"  # noqa: E731
     for c in cmp.itertuples():
-        fmt = lambda v: "-" if v is None or pd.isna(v) else f"{v:.4f}"  # noqa: E731
         lines.append(f"| {c.dsl} | {c.shape} | {c.configs_a} / {c.configs_b} | {c.twice} | {fmt(c.ms_a)} | "
                      f"{fmt(c.ms_b)} | {fmt(c.ratio)} | {c.verdict} |")
-    differ = cmp[cmp["verdict"] == "differs"]
-    for c in differ.itertuples():
+    for c in cmp[cmp["verdict"] == "differs"].itertuples():
         lines.append(f"- {c.dsl} {c.shape}: one GPU {json.loads(c.config_a or 'null')}, "
                      f"all GPUs {json.loads(c.config_b or 'null')}")
     results.write_log(out, ids, "multi-gpu", "\n".join(lines))
     return 1 if int(cmp["twice"].sum()) or any(r["code"] for r in runs.values()) else 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernel", required=True)
+    ap.add_argument("--device", default="h200")
+    ap.add_argument("--dsl", default="all")
+    ap.add_argument("--trials", type=int, default=2, help="measured configs per DSL and shape, both runs")
+    ap.add_argument("--results", default="results")
+    ap.add_argument("--from-runs", nargs=2, metavar=("ALL_IDS", "ONE_IDS"),
+                    help="no sweep: compare committed runs (comma lists of run ids), walls from their rows")
+    ap.add_argument("--smi", nargs=2, metavar=("ALL_CSV", "ONE_CSV"), help="with --from-runs: nvidia-smi samples "
+                    "(index, utilization.gpu, memory.used) of each run, '-' for none")
+    ap.add_argument("sweep_args", nargs="*", help="more sweep arguments for both runs (after --)")
+    args = ap.parse_args(argv)
+    out = Path(args.results)
+    if args.from_runs:
+        df = results.load(out)
+        runs = {}
+        for i, (name, spec) in enumerate(zip(("all", "one"), args.from_runs)):
+            ids = spec.split(",")
+            csv = args.smi[i] if args.smi and args.smi[i] != "-" else None
+            runs[name] = {"ids": ids, "code": 0, "wall": row_wall(df[df["run_id"].isin(ids)]),
+                          "wall_source": "first run id to last row", "smi": utilisation(Path(csv).read_text())
+                          if csv else None}
+        return report(args, runs, out)
+    seen = set(results.load(out)["run_id"]) if out.exists() else set()
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, gpus in (("all", "all"), ("one", "0")):
+            wall, smi, code = run_sweep(args, gpus, Path(tmp) / name)
+            now = set(results.load(out)["run_id"])
+            runs[name] = {"wall": wall, "wall_source": "sweep process", "smi": utilisation(smi), "code": code,
+                          "ids": sorted(now - seen)}
+            seen = now
+    return report(args, runs, out)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lab import results, study  # noqa: E402
+from lab import analysis, results, study  # noqa: E402
 
 # 12 valid points of the Triton GEMM space (sweeps/gemm/triton.toml rules drop BLOCK_N 256 at 4 warps).
 GRID = """[params]
@@ -57,7 +57,7 @@ def compare(one: pd.DataFrame, many: pd.DataFrame) -> dict:
     status_b = many.drop_duplicates("config_json").set_index("config_json")["status"]
     both = sorted(a & b)
     return {"only_one": sorted(a - b), "only_many": sorted(b - a),
-            "twice": int(many["config_json"].duplicated().sum()) + int(one["config_json"].duplicated().sum()),
+            "twice": analysis.measured_twice(many) + analysis.measured_twice(one),
             "status_differs": [c for c in both if status_a[c] != status_b[c]],
             "best_one": best(one), "best_many": best(many)}
 

@@ -111,13 +111,17 @@ def test_compare_runs_prefers_confirm_counts_twice_and_judges_noise():
                   _row(dsl="cute", config_json=cfg(64), time_ms=2.0)])
     many = _frame([_row(run_id="r2", config_json=cfg(64), time_ms=0.97), _row(run_id="r3", config_json=cfg(64),
                    time_ms=0.96), _row(run_id="r2", dsl="cute", config_json=cfg(128), time_ms=2.5),
-                   _row(run_id="r3", dsl="tilelang", status="compile_error", time_ms=None)])
+                   _row(run_id="r3", dsl="tilelang", status="compile_error", time_ms=None),
+                   # each worker's preflight rejection of one config: not a measurement, not "twice"
+                   _row(run_id="r2", config_json=cfg(512), status="infeasible", time_ms=None),
+                   _row(run_id="r3", config_json=cfg(512), status="infeasible", time_ms=None)])
     out = analysis.compare_runs(one, many).set_index("dsl")
     tri = out.loc["triton"]
     # one side's best is its confirm median (0.95 of BLOCK_M 128), the other's its sweep best (0.96, 64).
     assert tri["ms_a"] == 0.95 and tri["ms_b"] == 0.96 and tri["twice"] == 1 and tri["verdict"] == "within noise"
     assert out.loc["cute", "verdict"] == "differs" and out.loc["cute", "ratio"] == 1.25
     assert out.loc["tilelang", "ms_b"] is None or pd.isna(out.loc["tilelang", "ms_b"])
+    assert analysis.measured_twice(many) == 1 and tri["configs_b"] == 2
     assert out.loc["tilelang", "configs_a"] == 0 and out.loc["tilelang", "verdict"] == "differs"
     same = analysis.compare_runs(one, one).set_index("dsl")
     assert same.loc["triton", "verdict"] == "same config" and same.loc["triton", "twice"] == 0

@@ -84,3 +84,16 @@ def test_multi_gpu_study_reads_nvidia_smi_samples():
     assert list(u.index) == [0, 1] and u.loc[0, "mean_util"] == 75 and u.loc[1, "busy_share"] == 0.5
     assert u.loc[0, "peak_mem_mib"] == 5200 and u.loc[1, "samples"] == 2
     assert mod.utilisation("").empty
+
+
+@pytest.mark.parametrize("env,measures,gpu", [({"LAB_GPU_INDEX": "3", "CUDA_VISIBLE_DEVICES": "3"}, True, 3),
+                                              ({"CUDA_VISIBLE_DEVICES": "2,0"}, True, 2),
+                                              ({}, True, 0), ({}, False, None),
+                                              ({"CUDA_VISIBLE_DEVICES": "GPU-0b0c"}, True, None)])
+def test_rows_name_the_gpu_that_measured_them(monkeypatch, env, measures, gpu):
+    from lab.study import worker_identity
+    for k in ("LAB_GPU_INDEX", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert worker_identity(measures)["gpu_index"] == gpu

@@ -204,3 +204,19 @@ def test_report_of_a_compile_only_sweep(tmp_path):
     assert "| s | triton | 5 | 1 | 3 | 2 | 65,536 | 1 (first: RuntimeError: simulated) |" in md
     assert "## gemm on h100" in md and "## gemm on gb10" not in md  # compile-only rows get no timing table
     assert "| co |" in md and "compile-only" in md
+
+
+def test_a_test_lanes_rows_stay_out_of_report_gate_and_export(tmp_path):
+    """The fault campaign's rows (dsl "faults", a lane only tests register) are kept under results/ but
+    are no lane's report table, gate entry or tuned config."""
+    from lab import gate, tuned
+    from lab.report import write
+    from lab.results import RunWriter, load
+    w = RunWriter(tmp_path / "h200" / "gemm", "run")
+    w.add(_row(requested_profile="h200", time_ms=0.8, time_q1_ms=0.79, time_q3_ms=0.81))
+    w.add(_row(requested_profile="h200", dsl="faults", time_ms=0.1, config_json='{"FAULT": "none"}'))
+    df = load(tmp_path)
+    assert set(gate.ok_rows(df)["dsl"]) == {"triton"}
+    assert [e["dsl"] for e in tuned.entries(df, "h200")] == ["triton"]
+    md = write(tmp_path).read_text()
+    assert "| triton |" in md and "faults" not in md

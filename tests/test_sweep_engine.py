@@ -335,3 +335,19 @@ def test_kill_between_row_and_study_update_is_recovered(lab_env):
     after = load(lab_env.results)
     assert not ({json.dumps(c, sort_keys=True) for c in runner.seen} & set(before["config_json"]))
     assert len(after) == 6 == after["config_json"].nunique()
+
+
+@pytest.mark.parametrize("prefetch", [0, 2, 5])
+def test_grid_measures_every_point_with_candidates_compiled_ahead(lab_env, prefetch):
+    """Candidates queued ahead of the GPU are measured before the grid counts as exhausted (a grid sweep
+    on the H200 on 2026-11-26, prefetch 2, dropped its last queued config unmeasured)."""
+    from lab import sweep
+    from lab.results import load
+    (lab_env.sweeps / "gemm" / "sim.toml").write_text(
+        '[params]\nMODE = ["ok"]\nSMEM_KB = [16, 32, 48, 200]\nSPEED = [1, 2]\nESTIMATE_BIAS_KB = [0]\n')
+    runner = SimRunner()
+    sweep.run(_request(lab_env, device="gb10", emulate=True, prefetch=prefetch, compile_workers=1),
+              present_h100(), runner=runner, out=lambda *_: None)
+    rows = load(lab_env.results)
+    assert len(rows) == 8 and rows["config_json"].is_unique
+    assert (rows["status"] == "ok").sum() == 6 and len(runner.seen) == 6  # SMEM_KB 200 > 99 KiB: infeasible
