@@ -3,7 +3,8 @@
     python scripts/shared_study_demo.py --storage postgresql://postgres@/postgres?host=/tmp/labpg.X \
         [--workers 2] [--kernel gemm --dsl triton --shape sq4096_bf16] [--device h100]
 
-A small grid (``--space``: a sweep file whose [params] replace the lane's, default GRID below) is swept to
+A small grid (``--space``: a sweep file whose [params] replace the lane's, default
+scripts/demo_grids/<dsl>_<kernel>.toml: Triton's, compiles of a second, or TileLang's, compiles of ~4 s) is swept to
 exhaustion twice: by one `python -m lab sweep` process on database <db>_one, then by ``--workers``
 processes started together on database <db>_two (both created here). Exhausting a grid makes the two
 outcomes comparable: the same configs must be measured, each once, with the same statuses, and the
@@ -31,19 +32,6 @@ sys.path.insert(0, str(ROOT))
 
 from lab import analysis, results, study  # noqa: E402
 
-# 12 valid points of the Triton GEMM space (sweeps/gemm/triton.toml rules drop BLOCK_N 256 at 4 warps).
-GRID = """[params]
-BLOCK_M = [128]
-BLOCK_N = [128, 256]
-BLOCK_K = [64]
-GROUP_M = [8]
-num_warps = [4, 8]
-num_stages = [3, 4]
-LOAD = ["ptr", "tma", "tma_persistent"]
-
-[restrictions]
-rules = ["BLOCK_M * BLOCK_N <= 128 * num_warps * 32"]
-"""
 
 
 def compare(one: pd.DataFrame, many: pd.DataFrame) -> dict:
@@ -82,7 +70,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dsl", default="triton")
     ap.add_argument("--shape", default="sq4096_bf16")
     ap.add_argument("--device", default="h100")
-    ap.add_argument("--space", help="sweep file whose [params] / [restrictions] replace the lane's (default: GRID)")
+    ap.add_argument("--space", help="sweep file whose [params] / [restrictions] replace the lane's "
+                    "(default: scripts/demo_grids/<dsl>_<kernel>.toml)")
     ap.add_argument("--results", default="results")
     args = ap.parse_args(argv)
     out = Path(args.results)
@@ -90,7 +79,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         sweeps = Path(tmp) / "sweeps"
         shutil.copytree(ROOT / "sweeps", sweeps)
-        (sweeps / args.kernel / f"{args.dsl}.toml").write_text(Path(args.space).read_text() if args.space else GRID)
+        space = Path(args.space) if args.space else ROOT / "scripts" / "demo_grids" / f"{args.dsl}_{args.kernel}.toml"
+        (sweeps / args.kernel / f"{args.dsl}.toml").write_text(space.read_text())
         env = {**os.environ, "LAB_SWEEPS_DIR": str(sweeps),
                "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         db = "labdemo"
@@ -115,9 +105,11 @@ def main(argv=None) -> int:
              f"{args.shape}, {args.device}), runs {', '.join(run_ids)}", "",
              f"| config | 1 worker (status, ms) | {args.workers} workers (status, ms) | runs that measured it (id tail) |",
              "|---|---|---|---|"]
+    configs = [json.loads(k) for k in keys]
+    varying = [n for n in configs[0] if len({json.dumps(c.get(n)) for c in configs}) > 1] if configs else []
     for k in keys:
         who = ", ".join(sorted(many[many["config_json"] == k]["run_id"].str[-6:]))
-        cfg = {n: v for n, v in json.loads(k).items() if n in ("BLOCK_N", "num_warps", "num_stages", "LOAD")}
+        cfg = {n: v for n, v in json.loads(k).items() if n in varying}
         lines.append(f"| {json.dumps(cfg)} | {cell(one, k)} | {cell(many, k)} | {who} |")
     lines += ["", f"- wall time: 1 worker {wall_one:.1f} s, {args.workers} workers {wall_many:.1f} s",
               f"- configs: {one['config_json'].nunique()} (1 worker) / {many['config_json'].nunique()} "

@@ -127,15 +127,18 @@ def test_demo_compare_finds_duplicates_gaps_and_status_changes():
     """scripts/shared_study_demo.py's verdict on a one-worker and a several-worker run of one grid."""
     import pandas as pd
     demo = _demo()
+    same_lane = {"phase": "sweep", "kernel": "gemm", "dsl": "triton", "shape": "s"}
     one = pd.DataFrame({"config_json": ["a", "b", "c"], "status": ["ok", "ok", "compile_error"],
-                        "time_ms": [2.0, 1.0, float("nan")]})
+                        "time_ms": [2.0, 1.0, float("nan")]}).assign(**same_lane)
     same = demo.compare(one, one.iloc[[2, 0, 1]])
     assert not (same["only_one"] or same["only_many"] or same["twice"] or same["status_differs"])
     assert same["best_one"] == same["best_many"] == "b"
-    many = pd.DataFrame({"config_json": ["a", "a", "c", "d"], "status": ["ok", "ok", "ok", "ok"],
-                         "time_ms": [2.0, 2.1, 0.5, 3.0]})
+    # "e": rejected by each worker's preflight, twice, which is not measuring it twice
+    many = pd.DataFrame({"config_json": ["a", "a", "c", "d", "e", "e"],
+                         "status": ["ok", "ok", "ok", "ok", "infeasible", "infeasible"],
+                         "time_ms": [2.0, 2.1, 0.5, 3.0, float("nan"), float("nan")]}).assign(**same_lane)
     res = demo.compare(one, many)
-    assert res["only_one"] == ["b"] and res["only_many"] == ["d"] and res["twice"] == 1
+    assert res["only_one"] == ["b"] and res["only_many"] == ["d", "e"] and res["twice"] == 1
     assert res["status_differs"] == ["c"] and res["best_many"] == "c"
 
 
@@ -156,3 +159,25 @@ def test_create_database_replaces_an_existing_one():
         assert c.execute(sa.text("SELECT count(*) FROM pg_tables WHERE tablename = 't'")).scalar() == 0
     eng.dispose()
     lab_study.drop_database(server, name)
+
+
+@pytest.mark.parametrize("grid", ["triton_gemm", "tilelang_gemm"])
+def test_demo_grids_are_spaces_of_their_lanes(tmp_path, monkeypatch, grid):
+    """The demo's grids parse as sweep files of their lanes, and at least 12 of their configs pass the
+    preflight's cheap checks for the H100 at the demo's shape (the TileLang one: all 16)."""
+    import shutil
+    from pathlib import Path
+    from lab import preflight, registry, space
+    from lab.devices import get_profile
+    dsl, kernel = grid.split("_")
+    root = Path(__file__).resolve().parent.parent
+    sweeps = tmp_path / "sweeps"
+    shutil.copytree(root / "sweeps", sweeps)
+    shutil.copy(root / "scripts" / "demo_grids" / f"{grid}.toml", sweeps / kernel / f"{dsl}.toml")
+    monkeypatch.setenv("LAB_SWEEPS_DIR", str(sweeps))
+    lane = registry.get(dsl, kernel)
+    sp = space.load_space(kernel, dsl, tuple(lane.module.TUNABLES), None)
+    shape = space.load_shapes(kernel)[0]["sq4096_bf16"]
+    ok = [c for c in sp.configs() if preflight.cheap_checks(lane, sp, lane.full_config(c), shape,
+                                                             get_profile("h100")).feasible]
+    assert len(ok) >= 12 and (dsl != "tilelang" or len(ok) == sp.size == 16)
