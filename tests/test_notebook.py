@@ -34,11 +34,11 @@ def _text(outputs: list) -> str:
 
 
 def test_notebook_runs_on_the_committed_results(monkeypatch):
-    from lab import analysis
+    from lab import analysis, registry
     from lab.results import load
     monkeypatch.delenv("LAB_RESULTS", raising=False)
     outs = _execute(ROOT / "results")  # where Jupyter starts a kernel for this notebook
-    df = load(ROOT / "results")
+    df = registry.registered_rows(load(ROOT / "results"))
     groups = analysis.convergence(df).groupby(["requested_profile", "emulated", "kernel"]).ngroups
     assert f"{len(df)} rows" in _text(outs["setup"])
     assert {s: _pngs(outs[s]) for s in SECTIONS} == {
