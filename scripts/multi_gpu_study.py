@@ -68,7 +68,17 @@ def run_sweep(args, gpus: str, work: Path) -> tuple[float, str, int]:
     with open(work / "smi.csv", "w") as smi_out:
         smi = subprocess.Popen(SAMPLE, stdout=smi_out, stderr=subprocess.DEVNULL)
         t0 = time.time()
-        code = subprocess.call(cmd, cwd=ROOT, env=env)
+        sweep = subprocess.Popen(cmd, cwd=ROOT, env=env)
+        try:
+            code = sweep.wait()
+        except KeyboardInterrupt:  # a call's time limit (SIGINT): keep what finished, report it
+            print(f"interrupted after {time.time() - t0:.0f} s: the report covers the rows written so far")
+            try:
+                code = sweep.wait(timeout=15)  # the sweep got the signal too and writes its rows
+            except (subprocess.TimeoutExpired, KeyboardInterrupt):
+                sweep.kill()
+                code = sweep.wait()
+            code = code or 130
         wall = time.time() - t0
         smi.terminate()
         smi.wait()
@@ -101,7 +111,8 @@ def report(args, runs: dict, out: Path) -> int:
         for u in r["smi"].itertuples():
             lines.append(f"  - GPU {u.gpu}: {u.samples} samples, mean utilisation {u.mean_util:.1f} %, "
                          f"busy (> 0 %) in {100 * u.busy_share:.0f} % of samples, peak memory {u.peak_mem_mib} MiB")
-    speed = runs["one"]["wall"] / runs["all"]["wall"] if runs["all"]["wall"] else float("nan")
+    done = all(r["code"] != 130 for r in runs.values())
+    speed = runs["one"]["wall"] / runs["all"]["wall"] if done and runs["all"]["wall"] else float("nan")
     lines += [f"- wall time one GPU / all GPUs: {speed:.2f}x", "",
               "| dsl | shape | configs (one / all) | twice | best ms one GPU | best ms all GPUs | all / one | verdict |",
               "|---|---|---|---|---|---|---|---|"]
@@ -146,9 +157,12 @@ def main(argv=None) -> int:
         for name, gpus in (("all", "all"), ("one", "0")):
             wall, smi, code = run_sweep(args, gpus, Path(tmp) / name)
             now = set(results.load(out)["run_id"])
-            runs[name] = {"wall": wall, "wall_source": "sweep process", "smi": utilisation(smi), "code": code,
-                          "ids": sorted(now - seen)}
+            runs[name] = {"wall": wall, "wall_source": "sweep process" + (", interrupted" if code == 130 else ""),
+                          "smi": utilisation(smi), "code": code, "ids": sorted(now - seen)}
             seen = now
+            if code == 130:
+                break
+    runs.setdefault("one", {"wall": 0.0, "wall_source": "not run", "smi": None, "code": 130, "ids": []})
     return report(args, runs, out)
 
 

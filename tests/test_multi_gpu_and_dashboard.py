@@ -97,3 +97,39 @@ def test_rows_name_the_gpu_that_measured_them(monkeypatch, env, measures, gpu):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert worker_identity(measures)["gpu_index"] == gpu
+
+
+def test_multi_gpu_study_report_from_committed_runs(tmp_path):
+    """--from-runs: the comparison table of two runs already under results/, walls from their rows."""
+    import importlib.util
+    from pathlib import Path
+    from lab.results import COLUMNS, RunWriter
+    path = Path(__file__).resolve().parent.parent / "scripts" / "multi_gpu_study.py"
+    spec = importlib.util.spec_from_file_location("multi_gpu_study", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def row(run, gpu, t, ms, cfg):
+        r = {c: None for c in COLUMNS}
+        r.update(run_id=run, time_utc=t, kernel="gemm", dsl="triton", shape="s", config_json=json.dumps(cfg),
+                 status="ok", phase="sweep", time_ms=ms, gpu_index=gpu, actual_gpu="NVIDIA H200",
+                 requested_profile="h200", emulated=False, baseline=False)
+        return r
+    runs = {"20261126T000000Z-gemm-h200-1": [row("20261126T000000Z-gemm-h200-1", 0, "2026-11-26T00:01:00Z", 1.0, {"B": 1})],
+            "20261126T000000Z-gemm-h200-2": [row("20261126T000000Z-gemm-h200-2", 1, "2026-11-26T00:01:40Z", 0.9, {"B": 2})],
+            "20261126T000200Z-gemm-h200-3": [row("20261126T000200Z-gemm-h200-3", 0, "2026-11-26T00:03:00Z", 1.0, {"B": 1}),
+                                             row("20261126T000200Z-gemm-h200-3", 0, "2026-11-26T00:05:20Z", 0.9, {"B": 2})]}
+    for run, rows in runs.items():
+        w = RunWriter(tmp_path / "h200" / "gemm", run)
+        for r in rows:
+            w.add(r)
+    smi = tmp_path / "one.csv"
+    smi.write_text("0, 90, 100\n1, 0, 4\n")
+    ids = list(runs)
+    assert mod.main(["--kernel", "gemm", "--results", str(tmp_path), "--from-runs", ",".join(ids[:2]), ids[2],
+                     "--smi", "-", str(smi)]) == 0
+    md = (tmp_path / "logs" / f"{ids[0]}-multi-gpu.md").read_text()
+    assert "--gpus all: wall 100.0 s" in md and "per GPU index: {0: 1, 1: 1}" in md
+    assert "--gpus 0: wall 200.0 s" in md and "wall time one GPU / all GPUs: 2.00x" in md
+    assert "GPU 0: 1 samples, mean utilisation 90.0 %" in md
+    assert "| triton | s | 2 / 2 | 0 | 0.9000 | 0.9000 | 1.0000 | same config |" in md
