@@ -74,7 +74,7 @@ class SweepRequest:
     dsls: list[str] | None = None          # None: every lane of the kernel
     shapes: list[str] | None = None        # None: the kernel's default shapes
     trials: int = 40                       # measured candidates per (DSL, shape), resumed studies included
-    new_trials: bool = False               # trials counts this run's measurements only (gate --run)
+    new_trials: bool = False               # trials counts this run's new configs after its seeds (gate --run)
     timeout_s: float = 300.0               # per candidate (compile + parity + timing)
     sampler: str = "tpe"
     seed: int = 0
@@ -334,6 +334,7 @@ class Sweep:
         if req.sampler == "grid" and space.size > GRID_LIMIT:
             raise LabError(f"--sampler grid over {space.size:,} configs of {space.source} (at most {GRID_LIMIT:,}): "
                            f"use tpe or random")
+        seeded: set[str] = set()  # keys of the request's seeds (gate --run: the previous best)
         for seed_cfg in req.seeds.get((lane.dsl, shape_name), []):  # e.g. the gate's previous best configs
             # A trial holds only the space's params, each one of its listed values: a seed's other keys
             # (a precision key, a knob the lane retired) take the lane's defaults, as every trial's do, and
@@ -346,6 +347,7 @@ class Sweep:
                          f"not a trial of this sweep")
                 continue
             study.enqueue_trial(cfg, skip_if_exists=True)
+            seeded.add(space_mod.config_key(cfg))
         if not study.get_trials(deepcopy=False):
             for seed_cfg in space.seeds:  # known-good starting points from the sweep file
                 study.enqueue_trial(seed_cfg, skip_if_exists=True)
@@ -382,7 +384,8 @@ class Sweep:
             self._refuse(lane, shape_name, shape, cfg, verdict, phase="space", versions=versions, study=study_name)
             return None
         done0 = len(measured)
-        trials = req.trials + done0 if req.new_trials else req.trials
+        # gate --run: --trials new configs after the request's seeds, which are measured first.
+        trials = req.trials + done0 + len(seeded - measured.keys()) if req.new_trials else req.trials
         target = trials if req.sampler == "grid" else min(trials, feasible_total)
         bar = _progress(req.progress, total=target, initial=min(done0, target), desc=f"{lane.dsl} {shape_name}")
         beats = study_mod.Heartbeats(self._storage)

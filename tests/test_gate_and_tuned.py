@@ -464,3 +464,20 @@ def test_gate_run_shape_rechecks_a_fresh_entry(lab_env):
     assert runner.ab_lanes == [["sim", "sim"]]  # unchanged code: the checkout's lane on both sides
     with pytest.raises(LabError, match="unknown shape 'nope'"):
         gate_run.refresh(df, present_h100(), kernels=["gemm"], dsls=["sim"], shapes=["nope"], runner=runner)
+
+
+@pytest.mark.parametrize("trials", [0, 2])
+def test_gate_run_trials_are_new_configs_after_the_previous_best(lab_env, trials):
+    """--trials N re-measures the previous best, then N new configs (0: the previous best alone; it once
+    measured nothing at all, the seed counting as one of the N)."""
+    from lab import gate_run
+    from tests.test_sweep_engine import present_h100
+    registry._LANES.clear()
+    df = _committed_sim_row(lab_env, SIM_BEST, {"tests/fake_lanes/sim/gemm.py": "old"})
+    lines = []
+    assert gate_run.refresh(df, present_h100(), kernels=["gemm"], dsls=["sim"], trials=trials,
+                            results_dir=lab_env.results, runner=ABRunner(1.0), out=lines.append) == 0, lines
+    after = results.load(lab_env.results)
+    new = after[(after["phase"] == "sweep") & (after["run_id"] != "previous") & (after["status"] != "infeasible")]
+    assert len(new) == trials + 1 and json.loads(new.sort_values("trial")["config_json"].iloc[0]) == \
+        registry.get("sim", "gemm").full_config(SIM_BEST)
