@@ -201,9 +201,9 @@ def measured_twice(rows: pd.DataFrame) -> int:
 def compare_runs(a: pd.DataFrame, b: pd.DataFrame, noise: float = 0.03) -> pd.DataFrame:
     """Two sweeps of the same study size side by side (rows of run(s) ``a`` and of run(s) ``b``), one row
     per (kernel, dsl, shape): configs each measured (sweep phase, every status), configs measured more
-    than once within one side (``twice``, see measured_twice: must be 0), each side's best config and median (ms, see _best),
-    ``ratio`` = b's best / a's best and ``verdict``: same config, within noise (|ratio - 1| <= ``noise``)
-    or differs."""
+    than once within one side (``twice``, see measured_twice: must be 0), each side's best config and
+    median (ms, see _best), ``ratio`` = b's best / a's best and ``verdict``: same config, within noise
+    (|ratio - 1| <= ``noise``) or differs."""
     key = ["kernel", "dsl", "shape"]
     cols = key + ["configs_a", "configs_b", "twice", "ms_a", "ms_b", "ratio", "verdict", "config_a", "config_b"]
     groups = sorted(set(map(tuple, a[key].values)) | set(map(tuple, b[key].values)))
