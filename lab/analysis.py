@@ -178,7 +178,7 @@ def smem_points(df: pd.DataFrame) -> pd.DataFrame:
     return out[cols].reset_index(drop=True)
 
 
-def _best(rows: pd.DataFrame) -> tuple[str | None, float | None, str]:
+def run_best(rows: pd.DataFrame) -> tuple[str | None, float | None, str]:
     """The best config of one lane at one shape in one run: its A/B-confirmed median when the run
     confirmed one, else its fastest ok sweep trial; (config_json, ms, "confirm" | "sweep")."""
     ok = rows[(rows["status"] == "ok") & rows["time_ms"].notna()]
@@ -202,7 +202,7 @@ def compare_runs(a: pd.DataFrame, b: pd.DataFrame, noise: float = 0.03) -> pd.Da
     """Two sweeps of the same study size side by side (rows of run(s) ``a`` and of run(s) ``b``), one row
     per (kernel, dsl, shape): configs each measured (sweep phase, every status), configs measured more
     than once within one side (``twice``, see measured_twice: must be 0), each side's best config and
-    median (ms, see _best), ``ratio`` = b's best / a's best and ``verdict``: same config, within noise
+    median (ms, see run_best), ``ratio`` = b's best / a's best and ``verdict``: same config, within noise
     (|ratio - 1| <= ``noise``) or differs."""
     key = ["kernel", "dsl", "shape"]
     cols = key + ["configs_a", "configs_b", "twice", "ms_a", "ms_b", "ratio", "verdict", "config_a", "config_b"]
@@ -212,7 +212,7 @@ def compare_runs(a: pd.DataFrame, b: pd.DataFrame, noise: float = 0.03) -> pd.Da
         ga = a[(a[key] == pd.Series(k, index=key)).all(axis=1)]
         gb = b[(b[key] == pd.Series(k, index=key)).all(axis=1)]
         sa, sb = ga[ga["phase"] == "sweep"], gb[gb["phase"] == "sweep"]
-        (ca, ma, _), (cb, mb, _) = _best(ga), _best(gb)
+        (ca, ma, _), (cb, mb, _) = run_best(ga), run_best(gb)
         ratio = mb / ma if ma and mb else None
         verdict = ("same config" if ca is not None and ca == cb else
                    "within noise" if ratio is not None and abs(ratio - 1) <= noise else "differs")

@@ -37,9 +37,6 @@ from lab import analysis, results, study  # noqa: E402
 def compare(one: pd.DataFrame, many: pd.DataFrame) -> dict:
     """The outcome of the two runs' sweep rows: configs measured by one and not the other, configs the
     several-worker run measured more than once, status disagreements, and each run's fastest ok config."""
-    def best(df):
-        ok = df[df["status"] == "ok"]
-        return None if ok.empty else ok.sort_values("time_ms").iloc[0]["config_json"]
     a, b = set(one["config_json"]), set(many["config_json"])
     status_a = one.drop_duplicates("config_json").set_index("config_json")["status"]
     status_b = many.drop_duplicates("config_json").set_index("config_json")["status"]
@@ -47,7 +44,7 @@ def compare(one: pd.DataFrame, many: pd.DataFrame) -> dict:
     return {"only_one": sorted(a - b), "only_many": sorted(b - a),
             "twice": analysis.measured_twice(many) + analysis.measured_twice(one),
             "status_differs": [c for c in both if status_a[c] != status_b[c]],
-            "best_one": best(one), "best_many": best(many)}
+            "best_one": analysis.run_best(one)[0], "best_many": analysis.run_best(many)[0]}
 
 
 def _sweep(args, storage: str, out: Path, env: dict, n: int) -> float:

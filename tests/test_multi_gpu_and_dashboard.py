@@ -15,6 +15,7 @@ import pytest
 from lab import multi
 from lab.devices import LabError
 from lab.results import load
+from tests.conftest import load_script
 
 
 def test_gpu_list_and_worker_arguments():
@@ -73,12 +74,7 @@ def test_dashboard_serves_a_study(lab_env, tmp_path):
 
 
 def test_multi_gpu_study_reads_nvidia_smi_samples():
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parent.parent / "scripts" / "multi_gpu_study.py"
-    spec = importlib.util.spec_from_file_location("multi_gpu_study", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("multi_gpu_study")
     text = "0, 100, 5000\n1, 0, 700\n0, 50, 5200\n1, 30, 900\n[N/A], 1, 2\n"
     u = mod.utilisation(text).set_index("gpu")
     assert list(u.index) == [0, 1] and u.loc[0, "mean_util"] == 75 and u.loc[1, "busy_share"] == 0.5
@@ -101,13 +97,8 @@ def test_rows_name_the_gpu_that_measured_them(monkeypatch, env, measures, gpu):
 
 def test_multi_gpu_study_report_from_committed_runs(tmp_path):
     """--from-runs: the comparison table of two runs already under results/, walls from their rows."""
-    import importlib.util
-    from pathlib import Path
     from lab.results import COLUMNS, RunWriter
-    path = Path(__file__).resolve().parent.parent / "scripts" / "multi_gpu_study.py"
-    spec = importlib.util.spec_from_file_location("multi_gpu_study", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("multi_gpu_study")
 
     def row(run, gpu, t, ms, cfg):
         r = {c: None for c in COLUMNS}

@@ -16,6 +16,7 @@ import pytest
 
 from lab import study as lab_study
 from lab.results import load
+from tests.conftest import load_script
 
 SPACE = '[params]\nMODE = ["ok", "slow"]\nSMEM_KB = [16, 32, 48, 64]\nSPEED = [1, 2, 3]\nESTIMATE_BIAS_KB = [0]\n'
 
@@ -114,13 +115,7 @@ def test_a_killed_workers_trial_is_retried_and_no_finished_trial_is_lost(lab_env
 
 
 def _demo():
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parent.parent / "scripts" / "shared_study_demo.py"
-    spec = importlib.util.spec_from_file_location("shared_study_demo", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("shared_study_demo")
 
 
 def test_demo_compare_finds_duplicates_gaps_and_status_changes():
