@@ -84,6 +84,18 @@ def storage_errors() -> tuple[type[BaseException], ...]:
     return (SQLAlchemyError,)
 
 
+def fresh_cache_env(home, env=None) -> dict:
+    """``env`` (default os.environ) with every compile cache pointed into the empty folder ``home``: HOME
+    and XDG_CACHE_HOME (where DSLs keep their caches by default), LAB_CACHE_DIR, and every *_CACHE_DIR
+    variable already set. A sweep run with it compiles everything it measures, as on a new machine."""
+    env = dict(os.environ if env is None else env)
+    home = os.fspath(home)
+    for name in [n for n in env if n.endswith("_CACHE_DIR")] + ["LAB_CACHE_DIR"]:
+        env[name] = os.path.join(home, name.lower())
+    env.update(HOME=home, XDG_CACHE_HOME=os.path.join(home, ".cache"))
+    return env
+
+
 def worker_identity(measures: bool = False) -> dict:
     """Host and GPU of this worker, recorded on its trials and rows: LAB_GPU_INDEX (set by --gpus), else
     the first index CUDA_VISIBLE_DEVICES names, else 0 for a worker that ``measures`` on a GPU (the CUDA

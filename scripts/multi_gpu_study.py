@@ -4,8 +4,8 @@
 
 Runs ``python -m lab sweep KERNEL --device D --dsl all --trials T --gpus all`` (one worker per GPU on one
 study), then the same sweep with ``--gpus 0``, each on a fresh SQLite study in a temporary folder and with
-empty compile caches (HOME, XDG_CACHE_HOME, LAB_CACHE_DIR, TRITON_CACHE_DIR and TILELANG_CACHE_DIR point
-into a fresh folder per run), so that neither run reuses the other's trials or compiles. nvidia-smi
+empty compile caches (lab.study.fresh_cache_env: a fresh folder per run), so that neither run reuses
+the other's trials or compiles. nvidia-smi
 samples every GPU's utilisation (%) every 0.5 s during each run. Prints, and writes to
 <results>/logs/<first run id>-multi-gpu.md: each run's wall time (s); per GPU its mean utilisation, the
 share of samples above 0 % and the rows it measured; configs measured twice; and per (DSL, shape) each
@@ -30,7 +30,7 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lab import analysis, results  # noqa: E402
+from lab import analysis, results, study  # noqa: E402
 
 SAMPLE = ["nvidia-smi", "--query-gpu=index,utilization.gpu,memory.used", "--format=csv,noheader,nounits",
           "-lms", "500"]
@@ -57,10 +57,7 @@ def run_sweep(args, gpus: str, work: Path) -> tuple[float, str, int]:
     """One sweep on a fresh study and fresh caches under ``work``; (wall s, nvidia-smi samples, exit)."""
     home = work / "home"
     home.mkdir(parents=True)
-    env = {**os.environ, "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache"),
-           "LAB_CACHE_DIR": str(home / "lab"), "TRITON_CACHE_DIR": str(home / "triton"),
-           "TILELANG_CACHE_DIR": str(home / "tilelang"),
-           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**study.fresh_cache_env(home), "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "lab", "sweep", args.kernel, "--device", args.device, "--dsl", args.dsl,
            "--trials", str(args.trials), "--gpus", gpus, "--storage", f"sqlite:///{work / 'study.db'}",
            "--results", args.results, "--no-progress", *args.sweep_args]

@@ -6,8 +6,9 @@
 A small grid (``--space``: a sweep file whose [params] replace the lane's, default
 scripts/demo_grids/<dsl>_<kernel>.toml: Triton's, compiles of a second, or TileLang's, compiles of ~4 s) is swept to
 exhaustion twice: by one `python -m lab sweep` process on database <db>_one, then by ``--workers``
-processes started together on database <db>_two (both created here). Exhausting a grid makes the two
-outcomes comparable: the same configs must be measured, each once, with the same statuses, and the
+processes started together on database <db>_two (both created here), each run with empty compile
+caches (lab.study.fresh_cache_env), so that a warm cache does not hide what compiling costs. Exhausting
+a grid makes the two outcomes comparable: the same configs must be measured, each once, with the same statuses, and the
 fastest config should agree unless two configs lie within timing noise (both workers time on the one
 GPU at once, so the several-worker run's times carry that contention; its rows say so by their run ids).
 Prints (and writes to <results>/logs/<first run id>-shared-study.md) per config its status in each run
@@ -47,7 +48,10 @@ def compare(one: pd.DataFrame, many: pd.DataFrame) -> dict:
             "best_one": analysis.run_best(one)[0], "best_many": analysis.run_best(many)[0]}
 
 
-def _sweep(args, storage: str, out: Path, env: dict, n: int) -> float:
+def _sweep(args, storage: str, out: Path, env: dict, n: int, home: Path) -> float:
+    """Wall time (s) of ``n`` sweep processes on ``storage``, started together with empty compile caches
+    under ``home`` (shared by them, as by workers of one machine), so that both runs compile everything."""
+    env = study.fresh_cache_env(home, env)
     cmd = [sys.executable, "-m", "lab", "sweep", args.kernel, "--device", args.device, "--dsl", args.dsl,
            "--shape", args.shape, "--sampler", "grid", "--trials", "1000", "--storage", storage,
            "--no-baseline", "--no-confirm", "--no-progress", "--results", str(out)]
@@ -81,9 +85,10 @@ def main(argv=None) -> int:
         env = {**os.environ, "LAB_SWEEPS_DIR": str(sweeps),
                "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         db = "labdemo"
-        wall_one = _sweep(args, study.create_database(args.storage, f"{db}_one"), out, env, 1)
+        wall_one = _sweep(args, study.create_database(args.storage, f"{db}_one"), out, env, 1, Path(tmp) / "one")
         mid = set(results.load(out)["run_id"])
-        wall_many = _sweep(args, study.create_database(args.storage, f"{db}_two"), out, env, args.workers)
+        wall_many = _sweep(args, study.create_database(args.storage, f"{db}_two"), out, env, args.workers,
+                           Path(tmp) / "many")
     df = results.load(out)
     df = df[(df["kernel"] == args.kernel) & (df["dsl"] == args.dsl) & (df["phase"] == "sweep")]
     one = df[df["run_id"].isin(mid - before)]

@@ -176,3 +176,14 @@ def test_demo_grids_are_spaces_of_their_lanes(tmp_path, monkeypatch, grid):
     ok = [c for c in sp.configs() if preflight.cheap_checks(lane, sp, lane.full_config(c), shape,
                                                              get_profile("h100")).feasible]
     assert len(ok) >= 12 and (dsl != "tilelang" or len(ok) == sp.size == 16)
+
+
+def test_fresh_cache_env_points_every_compile_cache_into_the_folder(tmp_path):
+    """Both demo runs (and each multi-GPU run) compile everything: HOME, XDG_CACHE_HOME, LAB_CACHE_DIR and
+    any *_CACHE_DIR already set (a DSL's) move into the fresh folder; other variables stay."""
+    from lab import study
+    env = study.fresh_cache_env(tmp_path, {"HOME": "/root", "SOME_CACHE_DIR": "/var/c", "PATH": "/bin"})
+    assert env["HOME"] == str(tmp_path) and env["PATH"] == "/bin"
+    for name in ("XDG_CACHE_HOME", "LAB_CACHE_DIR", "SOME_CACHE_DIR"):
+        assert env[name].startswith(str(tmp_path) + "/"), (name, env[name])
+    assert len({env["LAB_CACHE_DIR"], env["SOME_CACHE_DIR"], env["XDG_CACHE_HOME"]}) == 3

@@ -23,11 +23,11 @@ GB10_LIMIT = 101_376
 TARGETS = ("sm_90a", "sm_121a")
 NAMED = list(space.load_shapes("mamba_bwd_bwd")[0])
 SPACE = space.load_space("mamba_bwd_bwd", "triton", lane.TUNABLES)
-# A config that fits GB10 close to its limit (the value side near 94 KB at C*R = 64 with VALUE_BJ = 32)
-# and takes estimate branches the seeds do not: 4-warp chunk kernels (no N split on sm_90a), one P step
-# at P = 64, KEY_BJ = 32, three scan stages. _fit cuts the blocks to the shape.
+# A config of the sweep space with the largest value-side tiles (VALUE_BJ = 32 at C*R = 64) that takes
+# estimate branches the seeds do not: a 4-warp value side (no N split on sm_90a), KEY_BJ = 32, three scan
+# stages, two chunk stages. _fit cuts the blocks to the shape.
 NEAR_GB10 = {"SCAN_BJ": 32, "SCAN_BP": 64, "scan_warps": 4, "scan_stages": 3, "KEY_BJ": 32, "KEY_BP": 16,
-             "key_warps": 4, "VALUE_BJ": 32, "BLOCK_P": 64, "chunk_warps": 4, "chunk_stages": 2}
+             "key_warps": 8, "VALUE_BJ": 32, "BLOCK_P": 32, "chunk_warps": 4, "chunk_stages": 2}
 
 BASE = {"B": 1, "S": 12, "H": 2, "G": 1, "N": 32, "P": 16, "R": 4, "C": 4, "rd": 4, "hasZ": True, "hasD": True,
         "reduceO": True, "dtype": "float16"}
@@ -103,10 +103,15 @@ def test_compiles_within_the_gb10_limit(target, shape, compiled):
     assert 0 < res["smem_bytes"] <= GB10_LIMIT, res
 
 
-def test_the_key_side_p_block_that_failed_on_the_gpu_is_refused():
-    sh = space.get_shape("mamba_bwd_bwd", "h100_tuned")
-    assert "KEY_BP=64" in (lane.config_reason({"KEY_BP": 64}, sh) or "")
-    assert lane.config_reason({"KEY_BP": 32}, sh) is None
+@pytest.mark.parametrize("knob,bad,good", [("KEY_BP", 64, 32), ("key_warps", 4, 8), ("BLOCK_P", 64, 32)])
+def test_the_values_that_failed_on_the_gpu_are_refused(knob, bad, good):
+    """Values that computed wrong or faulted on sm_90a (sweeps/mamba_bwd_bwd/triton.toml, header) are out
+    of the sweep file, so a sweep never proposes them and `--config` refuses them; at a shape they fit."""
+    sh = space.get_shape("mamba_bwd_bwd", "training")
+    cfg = {**lane.DEFAULTS, "VALUE_BJ": 32}
+    assert lane.config_reason({**cfg, knob: bad}, sh) is None
+    assert f"{knob}={bad}" in (harness_reason("mamba_bwd_bwd", "triton", {**cfg, knob: bad}, sh) or "")
+    assert harness_reason("mamba_bwd_bwd", "triton", {**cfg, knob: good}, sh) is None
 
 
 def _fit(config: dict, shape: dict) -> dict:
