@@ -173,8 +173,9 @@ def cmd_gate(args) -> int:
     for e in entries:
         print(e.line())
     failing = [e for e in entries if e.failing]
-    counts = {s: sum(e.status == s for e in entries) for s in ("fresh", "stale", "never measured")}
-    print(f"{counts['fresh']} fresh, {counts['stale']} stale, {counts['never measured']} never measured; "
+    counts = {s: sum(e.status == s for e in entries) for s in ("fresh", "stale", "slower", "never measured")}
+    print(f"{counts['fresh']} fresh, {counts['stale']} stale, {counts['slower']} slower, "
+          f"{counts['never measured']} never measured; "
           f"{len(failing)} required entr{'y needs' if len(failing) == 1 else 'ies need'} a sweep")
     return 1 if failing else 0
 

@@ -31,7 +31,8 @@ _NOT_PINNED = {"lab", "lane_sha", "lane_code", "lane_files", "lane_hash", "pytho
 
 @dataclass
 class Entry:
-    """One (kernel, DSL, device profile): ``status`` is fresh, stale or never measured."""
+    """One (kernel, DSL, device profile): ``status`` is fresh, stale, slower (fresh rows, but the newest
+    ``gate --run`` A/B at this code judged a shape SLOWER than the previous best's code) or never measured."""
     kernel: str
     dsl: str
     device: str
@@ -49,6 +50,9 @@ class Entry:
         return self.required and self.status != "fresh"
 
     def command(self) -> str:
+        if self.status == "slower":
+            return (f"python -m lab gate --run --device {self.device} --kernel {self.kernel} --dsl {self.dsl}"
+                    + "".join(f" --shape {s}" for s in self.stale_shapes))
         cmd = f"python -m lab sweep {self.kernel} --device {self.device} --dsl {self.dsl}"
         cmd += "".join(f" --shape {s}" for s in self.stale_shapes)
         return cmd + (" --emulate" if self.emulated else "")
@@ -170,6 +174,28 @@ def newest_per_shape(rows: pd.DataFrame) -> pd.DataFrame:
     return rows.sort_values("time_utc").groupby("shape", sort=True).tail(1)
 
 
+def at_checkout(r: pd.Series, module: str, current: dict, pins: dict) -> tuple[set[str], list[str]]:
+    """(lane files changed since the row, toolchain / harness changes): both empty for a row of today's code."""
+    versions = json.loads(r["versions_json"] or "{}")
+    code = code_changes(measured_identity(module, versions, str(r["git_commit"]), bool(r["git_dirty"])), current)
+    return code, version_changes(versions, pins)
+
+
+def slower_verdicts(rows: pd.DataFrame, module: str, current: dict, pins: dict) -> dict[str, str]:
+    """{shape: run id} where the newest ``gate --run`` A/B row of the checkout's side (phase gate_checkout,
+    its verdict in ``study``) judged today's code SLOWER than the previous best's. A later A/B at the same
+    code replaces the verdict; a code change makes the shape stale instead."""
+    if rows.empty or "phase" not in rows:
+        return {}
+    ab = rows[rows["phase"] == "gate_checkout"]
+    out = {}
+    for _, r in newest_per_shape(ab).iterrows():
+        if str(r["study"]).startswith("gate SLOWER") and r["shape"] and \
+                at_checkout(r, module, current, pins) == (set(), []):
+            out[r["shape"]] = str(r["run_id"])
+    return out
+
+
 def _evaluate(entry: Entry, rows: pd.DataFrame, module: str, current: dict, pins: dict,
               unmeasured: list[str] = ()) -> None:
     """``unmeasured``: default shapes of a required entry that no row of this lane and device names (not
@@ -180,9 +206,7 @@ def _evaluate(entry: Entry, rows: pd.DataFrame, module: str, current: dict, pins
     files: set[str] = set()
     others: list[str] = []
     for _, r in newest_per_shape(rows).iterrows():
-        versions = json.loads(r["versions_json"] or "{}")
-        code = code_changes(measured_identity(module, versions, str(r["git_commit"]), bool(r["git_dirty"])), current)
-        other = version_changes(versions, pins)
+        code, other = at_checkout(r, module, current, pins)
         if code or other:
             entry.stale_shapes.append(r["shape"])
         files |= code
@@ -191,7 +215,12 @@ def _evaluate(entry: Entry, rows: pd.DataFrame, module: str, current: dict, pins
     entry.stale_shapes.sort()
     missing = sorted(set(unmeasured) - set(entry.stale_shapes))
     if not entry.stale_shapes and not missing:
-        entry.status = "fresh"
+        slower = slower_verdicts(rows, module, current, pins)
+        entry.status = "slower" if slower else "fresh"
+        if slower:
+            entry.stale_shapes = sorted(slower)
+            entry.changes = [f"gate --run judged this code SLOWER than the previous best's at "
+                             f"{', '.join(f'{s} (run {run})' for s, run in sorted(slower.items()))}"]
         return
     entry.status = "stale"
     entry.changes = ([f"lane code {', '.join(sorted(files))}"] if files else []) + others

@@ -1,6 +1,7 @@
 """``python -m lab gate --run``: refresh the stale entries on the GPU present and judge the change.
 
-For each entry the gate finds stale or never measured on this device (the present profile, or a
+For each entry the gate finds stale, slower (an earlier A/B's SLOWER verdict at today's code: re-judged
+against the same previous code) or never measured on this device (the present profile, or a
 profile named with --device, emulated), the stale shapes are re-swept: the previous committed best
 config is enqueued first, then a bounded number of new trials. Then, per shape, the previous best
 (its config run by the code it was measured with: the lane's files at that row's git commit, copied
@@ -115,6 +116,13 @@ def refresh(df: pd.DataFrame, present: PresentGPU | None, *, devices: list[str] 
     for e in entries:
         rows = ok[(ok["kernel"] == e.kernel) & (ok["dsl"] == e.dsl) & (ok["requested_profile"] == e.device)] \
             if not ok.empty else ok
+        module = registry.get(e.dsl, e.kernel).module_name
+        current, pins = identity.lane_identity(module), gate.pinned_toolchain()
+        today_mask = [gate.at_checkout(r, module, current, pins) == (set(), []) for _, r in rows.iterrows()]
+        today = rows[today_mask] if not rows.empty else rows
+        if e.status == "slower" and not rows.empty:
+            # The bar stays the code the SLOWER verdict compared with, not today's rows of the re-checked lane.
+            rows = rows[[not t for t in today_mask]]
         prev = _previous_best(rows) if not rows.empty else {}
         todo = e.stale_shapes or space.load_shapes(e.kernel)[1]
         out(f"gate --run: {e.kernel} {e.dsl} {e.device}: {e.status}; re-sweeping {', '.join(todo)}")
@@ -135,8 +143,14 @@ def refresh(df: pd.DataFrame, present: PresentGPU | None, *, devices: list[str] 
         ab_runner = runner
         for shape in todo:
             mine = good[good["shape"] == shape] if not good.empty else good
+            if mine.empty and not today.empty:
+                # The study had measured every config the re-sweep would (a re-check of a slower entry):
+                # today's code is represented by its fastest committed row.
+                mine = today[today["shape"] == shape]
             if mine.empty:
-                out(f"{e.kernel} {e.dsl} {e.device} {shape}: no ok config in the re-sweep")
+                why = " (no previous best at this shape, and --trials 0 asks for no new config)" \
+                    if shape not in prev and trials == 0 else ""
+                out(f"{e.kernel} {e.dsl} {e.device} {shape}: no ok config in the re-sweep{why}")
                 failed = True
                 continue
             best = mine.sort_values("time_ms").iloc[0]

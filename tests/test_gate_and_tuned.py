@@ -421,8 +421,35 @@ def test_gate_run_ab_against_the_previous_code(lab_env, slowdown, word, status):
     after = results.load(lab_env.results)
     gate_rows = after[after["phase"].isin(["gate_previous", "gate_checkout"])]
     assert sorted(gate_rows["phase"]) == ["gate_checkout", "gate_previous"] and (gate_rows["dsl"] == "sim").all()
-    # The refreshed entry is fresh now: the previous code's A/B row does not count as a measurement.
-    assert {e.status for e in gate.evaluate(after, devices=["h100"], kernels=["gemm"], dsls=["sim"])} == {"fresh"}
+    # The refreshed entry is fresh now (the previous code's A/B row does not count as a measurement),
+    # unless the A/B judged today's code SLOWER: then the gate keeps failing on it.
+    entries = gate.evaluate(after, devices=["h100"], kernels=["gemm"], dsls=["sim"])
+    assert {e.status for e in entries} == {"slower" if word == "SLOWER" else "fresh"}
+
+
+def test_a_slower_verdict_fails_the_gate_until_an_ab_at_the_same_code_clears_it(lab_env):
+    """gate --run found today's code SLOWER: the static gate lists the entry as slower (required, failing)
+    with the re-check command; the re-check times the same previous code again, not today's rows, and a
+    SAME verdict makes the entry fresh."""
+    from lab import gate_run
+    from tests.test_sweep_engine import present_h100
+    registry._LANES.clear()
+    files = dict(identity.lane_identity("tests.fake_lanes.sim.gemm")["lane_files"])
+    files["tests/fake_lanes/sim/gemm.py"] = "edited-since"
+    df = _committed_sim_row(lab_env, SIM_BEST, files)
+    assert gate_run.refresh(df, present_h100(), kernels=["gemm"], dsls=["sim"], trials=1,
+                            results_dir=lab_env.results, runner=ABRunner(1.3), out=lambda _: None) == 1
+    after = results.load(lab_env.results)
+    (e,) = gate.evaluate(after, devices=["h100"], kernels=["gemm"], dsls=["sim"], required={"gemm": ["h100"]})
+    assert e.status == "slower" and e.failing and e.stale_shapes == ["tiny"], e
+    assert "SLOWER than the previous best's at tiny" in e.line()
+    assert e.command() == "python -m lab gate --run --device h100 --kernel gemm --dsl sim --shape tiny"
+    lines, runner = [], ABRunner(1.0)
+    assert gate_run.refresh(after, present_h100(), kernels=["gemm"], dsls=["sim"], trials=0,
+                            results_dir=lab_env.results, runner=runner, out=lines.append) == 0, lines
+    assert runner.ab_lanes[0][0].startswith("sim_at_"), runner.ab_lanes   # the old code, not today's rows
+    again = gate.evaluate(results.load(lab_env.results), devices=["h100"], kernels=["gemm"], dsls=["sim"])
+    assert {x.status for x in again} == {"fresh"}
 
 
 def test_gate_run_reports_a_previous_best_that_now_computes_garbage(lab_env):
