@@ -4,12 +4,11 @@
 
 Runs ``python -m lab sweep KERNEL --device D --dsl all --trials T --gpus all`` (one worker per GPU on one
 study), then the same sweep with ``--gpus 0``, each on a fresh SQLite study in a temporary folder and with
-empty compile caches (lab.study.fresh_cache_env: a fresh folder per run), so that neither run reuses
-the other's trials or compiles. nvidia-smi
-samples every GPU's utilisation (%) every 0.5 s during each run. Prints, and writes to
-<results>/logs/<first run id>-multi-gpu.md: each run's wall time (s); per GPU its mean utilisation, the
-share of samples above 0 % and the rows it measured; configs measured twice; and per (DSL, shape) each
-run's best config and median (ms, A/B-confirmed where the run confirmed), compared by
+empty compile caches (lab.study.fresh_cache_env: a fresh folder per run), so that neither run reuses the
+other's trials or compiles. nvidia-smi samples every GPU's utilisation (%) every 0.5 s during each run.
+Prints, and writes to <results>/logs/<first run id>-multi-gpu.md: each run's wall time (s); per GPU its
+mean utilisation, the share of samples above 0 % and the rows it measured; configs measured twice; and per
+(DSL, shape) each run's best config and median (ms, A/B-confirmed where the run confirmed), compared by
 lab.analysis.compare_runs. Exit status 1 when a config was measured twice or a sweep failed.
 ``--from-runs ALL_IDS ONE_IDS`` writes the same comparison for runs already under <results> (a call
 that ran them apart), their wall times from the rows' stamps.

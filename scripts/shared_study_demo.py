@@ -4,13 +4,14 @@
         [--workers 2] [--kernel gemm --dsl triton --shape sq4096_bf16] [--device h100]
 
 A small grid (``--space``: a sweep file whose [params] replace the lane's, default
-scripts/demo_grids/<dsl>_<kernel>.toml: Triton's, compiles of a second, or TileLang's, compiles of ~4 s) is swept to
-exhaustion twice: by one `python -m lab sweep` process on database <db>_one, then by ``--workers``
-processes started together on database <db>_two (both created here), each run with empty compile
-caches (lab.study.fresh_cache_env), so that a warm cache does not hide what compiling costs. Exhausting
-a grid makes the two outcomes comparable: the same configs must be measured, each once, with the same statuses, and the
-fastest config should agree unless two configs lie within timing noise (both workers time on the one
-GPU at once, so the several-worker run's times carry that contention; its rows say so by their run ids).
+scripts/demo_grids/<dsl>_<kernel>.toml: Triton's, compiles of a second, or TileLang's, compiles of ~4 s)
+is swept to exhaustion twice: by one `python -m lab sweep` process on database <db>_one, then by
+``--workers`` processes started together on database <db>_two (both created here), each run with empty
+compile caches (lab.study.fresh_cache_env), so that a warm cache does not hide what compiling costs.
+Exhausting a grid makes the two outcomes comparable: the same configs must be measured, each once, with
+the same statuses, and the fastest config should agree unless two configs lie within timing noise (both
+workers time on the one GPU at once, so the several-worker run's times carry that contention; its rows say
+so by their run ids).
 Prints (and writes to <results>/logs/<first run id>-shared-study.md) per config its status in each run
 and its median (ms), then the wall time of each run, configs measured twice and the best of each.
 """
