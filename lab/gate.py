@@ -174,7 +174,7 @@ def newest_per_shape(rows: pd.DataFrame) -> pd.DataFrame:
     return rows.sort_values("time_utc").groupby("shape", sort=True).tail(1)
 
 
-def at_checkout(r: pd.Series, module: str, current: dict, pins: dict) -> tuple[set[str], list[str]]:
+def row_changes(r: pd.Series, module: str, current: dict, pins: dict) -> tuple[set[str], list[str]]:
     """(lane files changed since the row, toolchain / harness changes): both empty for a row of today's code."""
     versions = json.loads(r["versions_json"] or "{}")
     code = code_changes(measured_identity(module, versions, str(r["git_commit"]), bool(r["git_dirty"])), current)
@@ -191,7 +191,7 @@ def slower_verdicts(rows: pd.DataFrame, module: str, current: dict, pins: dict) 
     out = {}
     for _, r in newest_per_shape(ab).iterrows():
         if str(r["study"]).startswith("gate SLOWER") and r["shape"] and \
-                at_checkout(r, module, current, pins) == (set(), []):
+                not any(row_changes(r, module, current, pins)):
             out[r["shape"]] = str(r["run_id"])
     return out
 
@@ -206,7 +206,7 @@ def _evaluate(entry: Entry, rows: pd.DataFrame, module: str, current: dict, pins
     files: set[str] = set()
     others: list[str] = []
     for _, r in newest_per_shape(rows).iterrows():
-        code, other = at_checkout(r, module, current, pins)
+        code, other = row_changes(r, module, current, pins)
         if code or other:
             entry.stale_shapes.append(r["shape"])
         files |= code

@@ -118,7 +118,7 @@ def refresh(df: pd.DataFrame, present: PresentGPU | None, *, devices: list[str] 
             if not ok.empty else ok
         module = registry.get(e.dsl, e.kernel).module_name
         current, pins = identity.lane_identity(module), gate.pinned_toolchain()
-        today_mask = [gate.at_checkout(r, module, current, pins) == (set(), []) for _, r in rows.iterrows()]
+        today_mask = [not any(gate.row_changes(r, module, current, pins)) for _, r in rows.iterrows()]
         today = rows[today_mask] if not rows.empty else rows
         if e.status == "slower" and not rows.empty:
             # The bar stays the code the SLOWER verdict compared with, not today's rows of the re-checked lane.
