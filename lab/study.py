@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+import threading
 import time
 import warnings
 
@@ -153,24 +154,43 @@ def fail_stale(study) -> None:
 
 
 class Heartbeats:
-    """One heartbeat thread per held trial: started when the trial is asked, stopped when told."""
+    """One heartbeat thread per held trial: started when the trial is asked, stopped when told.
+
+    Daemon threads of the lab's own, not Optuna's HeartbeatThread: a worker whose main thread fails
+    must exit with its traceback, not hang on a non-daemon thread that beats forever."""
 
     def __init__(self, storage):
+        from optuna.storages._heartbeat import is_heartbeat_enabled
         self.storage = storage
-        self.threads: dict[int, object] = {}
+        self.interval = storage.get_heartbeat_interval() if is_heartbeat_enabled(storage) else None
+        self.threads: dict[int, tuple[threading.Thread, threading.Event]] = {}
 
     def start(self, trial) -> None:
-        from optuna.storages._heartbeat import get_heartbeat_thread
-        t = get_heartbeat_thread(trial._trial_id, self.storage)
+        if self.interval is None:
+            return
+        stop = threading.Event()
+
+        def beat(trial_id=trial._trial_id):
+            while True:
+                try:
+                    self.storage.record_heartbeat(trial_id)
+                except Exception:  # noqa: BLE001 - one missed beat; the grace period spans several
+                    pass
+                if stop.wait(self.interval):
+                    return
+        t = threading.Thread(target=beat, daemon=True, name=f"lab-heartbeat-{trial.number}")
         t.start()
-        self.threads[trial.number] = t
+        self.threads[trial.number] = (t, stop)
 
     def stop(self, trial) -> None:
-        t = self.threads.pop(trial.number, None)
-        if t is not None:
-            t.join()
+        held = self.threads.pop(trial.number, None)
+        if held is not None:
+            held[1].set()
+            held[0].join()
 
     def stop_all(self) -> None:
-        for t in self.threads.values():
+        for number in list(self.threads):
+            self.threads[number][1].set()
+        for t, _ in self.threads.values():
             t.join()
         self.threads.clear()

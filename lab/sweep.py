@@ -398,23 +398,30 @@ class Sweep:
         rejected_by_compile: set[str] = set()
         rejected_cheap: set[str] = set()
 
+        def taken_for_dead(trial):
+            self.out(f"{lane.dsl:8s} {shape_name}: trial {trial.number} was taken for dead by another worker "
+                     f"(no heartbeat for LAB_GRACE_S s) and its config retried there; a row it has stays")
+            beats.stop(trial)
+
         def tell(trial, value, status, key, measured_flag, row=None):
-            for k in ("error", "parity_rel_l2", "smem_compiled_bytes") if row else ():  # shown by `lab dashboard`
-                if row.get(k) not in (None, ""):
-                    trial.set_user_attr(k, row[k] if k != "error" else str(row[k])[:300])
-            trial.set_user_attr("status", status)
-            trial.set_user_attr("config_key", key)
-            trial.set_user_attr("measured", measured_flag)
-            trial.set_constraint("ok", 0.0 if status == "ok" else 1.0)
             try:
+                for k in ("error", "parity_rel_l2", "smem_compiled_bytes") if row else ():  # shown by `lab dashboard`
+                    if row.get(k) not in (None, ""):
+                        trial.set_user_attr(k, row[k] if k != "error" else str(row[k])[:300])
+                trial.set_user_attr("status", status)
+                trial.set_user_attr("config_key", key)
+                trial.set_user_attr("measured", measured_flag)
+                trial.set_constraint("ok", 0.0 if status == "ok" else 1.0)
                 study.tell(trial, value)
             except optuna.exceptions.UpdateFinishedTrialError:
-                self.out(f"{lane.dsl:8s} {shape_name}: trial {trial.number} was taken for dead by another worker "
-                         f"(no heartbeat for LAB_GRACE_S s) and its config retried there; its row stays")
+                taken_for_dead(trial)
             beats.stop(trial)
 
         def drop(trial):
-            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            try:
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                pass  # failed already, by a worker that took it for dead
             beats.stop(trial)
 
         def more() -> bool:
@@ -439,96 +446,109 @@ class Sweep:
             to be measured: counting them as done dropped the queue's configs unmeasured)."""
             return len(measured.keys() | rejected_by_compile | rejected_cheap | pending) < space.size
 
-        while more():
-            # Fill the look-ahead queue: proposals go through the cheap checks now, compiles in the pool.
-            while (len(queue) <= req.prefetch and stale < STALE_STREAK
-                   and (req.sampler != "grid" or grid_left())):
-                trial = study.ask(dists)
-                beats.start(trial)
-                for k, v in self.worker.items():
-                    trial.set_user_attr(k, v)
-                cfg = lane.full_config(dict(trial.params))
-                key = space_mod.config_key(cfg)
-                if key in measured or key in pending or key in rejected_by_compile or key in rejected_cheap:
-                    stale += 1
-                    if key in measured:
-                        tell(trial, measured[key], "duplicate", key, False)
-                    else:
-                        drop(trial)
+        try:
+            while more():
+                # Fill the look-ahead queue: proposals go through the cheap checks now, compiles in the pool.
+                while (len(queue) <= req.prefetch and stale < STALE_STREAK
+                       and (req.sampler != "grid" or grid_left())):
+                    trial = study.ask(dists)
+                    beats.start(trial)
+                    try:
+                        for k, v in self.worker.items():
+                            trial.set_user_attr(k, v)
+                    except optuna.exceptions.UpdateFinishedTrialError:
+                        taken_for_dead(trial)
+                        stale += 1
+                        continue
+                    cfg = lane.full_config(dict(trial.params))
+                    key = space_mod.config_key(cfg)
+                    if key in measured or key in pending or key in rejected_by_compile or key in rejected_cheap:
+                        stale += 1
+                        if key in measured:
+                            tell(trial, measured[key], "duplicate", key, False)
+                        else:
+                            drop(trial)
+                        continue
+                    cheap = preflight.cheap_checks(lane, space, cfg, shape, self.mode.requested)
+                    if not cheap.feasible:
+                        stale += 1
+                        self.writer.add(self._row(lane, shape_name, shape, cfg, trial.number, "infeasible", cheap,
+                                                  versions=versions, study=study_name))
+                        counts["infeasible"] = counts.get("infeasible", 0) + 1
+                        rejected_cheap.add(key)
+                        tell(trial, PENALTY_MS, "infeasible", key, False)
+                        continue
+                    try:
+                        owner = study_mod.claim(study, trial, key)
+                    except optuna.exceptions.UpdateFinishedTrialError:
+                        taken_for_dead(trial)
+                        stale += 1
+                        continue
+                    if owner is None and study_mod.rank(study, trial) >= target:
+                        drop(trial)  # workers that claimed earlier fill the target
+                        break
+                    if owner is not None:  # another worker holds this config
+                        stale += 1
+                        if owner.state == optuna.trial.TrialState.COMPLETE:
+                            measured[key] = owner.value
+                            tell(trial, owner.value, "duplicate", key, False)
+                        else:
+                            counts["taken"] = counts.get("taken", 0) + 1
+                            drop(trial)
+                        continue
+                    pending.add(key)
+                    queue.append((trial, cfg, key, pool.submit(lane, space, cfg, shape, self.mode.requested)))
+                if not queue:
+                    self.out(f"{lane.dsl:8s} {shape_name}: no new feasible config proposed in {STALE_STREAK} tries; "
+                             f"stopping")
+                    break
+                trial, cfg, key, fut = queue.popleft()
+                pending.discard(key)
+                verdict = preflight.Verdict(**fut.result())
+                if not verdict.feasible:
+                    status = "compile_error" if verdict.stage == "compile_error" else "infeasible"
+                    row = self._row(lane, shape_name, shape, cfg, trial.number, status, verdict, versions=versions,
+                                    study=study_name)
+                    self.writer.add(row)
+                    counts[status] = counts.get(status, 0) + 1
+                    rejected_by_compile.add(key)
+                    tell(trial, PENALTY_MS, status, key, status == "compile_error", row)
+                    if status == "compile_error":
+                        measured[key] = PENALTY_MS
+                        bar.update(1)
                     continue
-                cheap = preflight.cheap_checks(lane, space, cfg, shape, self.mode.requested)
-                if not cheap.feasible:
-                    stale += 1
-                    self.writer.add(self._row(lane, shape_name, shape, cfg, trial.number, "infeasible", cheap,
+                stale = 0
+                if self.mode.compile_only and verdict.compile_note:
+                    # Nothing to compile ahead of time (a run-time library): one row says so, then stop.
+                    verdict.reason = f"compile-only: nothing to compile ahead of time ({verdict.compile_note})"
+                    self.writer.add(self._row(lane, shape_name, shape, cfg, trial.number, "infeasible", verdict,
                                               versions=versions, study=study_name))
                     counts["infeasible"] = counts.get("infeasible", 0) + 1
-                    rejected_cheap.add(key)
                     tell(trial, PENALTY_MS, "infeasible", key, False)
-                    continue
-                owner = study_mod.claim(study, trial, key)
-                if owner is None and study_mod.rank(study, trial) >= target:
-                    drop(trial)  # workers that claimed earlier fill the target
                     break
-                if owner is not None:  # another worker holds this config
-                    stale += 1
-                    if owner.state == optuna.trial.TrialState.COMPLETE:
-                        measured[key] = owner.value
-                        tell(trial, owner.value, "duplicate", key, False)
-                    else:
-                        counts["taken"] = counts.get("taken", 0) + 1
-                        drop(trial)
-                    continue
-                pending.add(key)
-                queue.append((trial, cfg, key, pool.submit(lane, space, cfg, shape, self.mode.requested)))
-            if not queue:
-                self.out(f"{lane.dsl:8s} {shape_name}: no new feasible config proposed in {STALE_STREAK} tries; stopping")
-                break
-            trial, cfg, key, fut = queue.popleft()
-            pending.discard(key)
-            verdict = preflight.Verdict(**fut.result())
-            if not verdict.feasible:
-                status = "compile_error" if verdict.stage == "compile_error" else "infeasible"
-                row = self._row(lane, shape_name, shape, cfg, trial.number, status, verdict, versions=versions,
+                if self.mode.compile_only:
+                    result, status = {}, "compiled"
+                else:
+                    task = {"kind": "trial", "kernel": req.kernel, "dsl": lane.dsl, "config": cfg, "shape": shape,
+                            "seed": req.seed * 100003 + trial.number, "l2_bytes": self.l2_bytes, "timing": req.timing,
+                            "env": preflight.lane_cache_env(lane, self.mode.run_target)}
+                    result = self.runner.run(task, req.timeout_s)
+                    status = result["status"]
+                row = self._row(lane, shape_name, shape, cfg, trial.number, status, verdict, result, versions=versions,
                                 study=study_name)
                 self.writer.add(row)
                 counts[status] = counts.get(status, 0) + 1
-                rejected_by_compile.add(key)
-                tell(trial, PENALTY_MS, status, key, status == "compile_error", row)
-                if status == "compile_error":
-                    measured[key] = PENALTY_MS
-                    bar.update(1)
-                continue
-            stale = 0
-            if self.mode.compile_only and verdict.compile_note:
-                # Nothing to compile ahead of time (a run-time library): one row says so, then stop.
-                verdict.reason = f"compile-only: nothing to compile ahead of time ({verdict.compile_note})"
-                self.writer.add(self._row(lane, shape_name, shape, cfg, trial.number, "infeasible", verdict,
-                                          versions=versions, study=study_name))
-                counts["infeasible"] = counts.get("infeasible", 0) + 1
-                tell(trial, PENALTY_MS, "infeasible", key, False)
-                break
-            if self.mode.compile_only:
-                result, status = {}, "compiled"
-            else:
-                task = {"kind": "trial", "kernel": req.kernel, "dsl": lane.dsl, "config": cfg, "shape": shape,
-                        "seed": req.seed * 100003 + trial.number, "l2_bytes": self.l2_bytes, "timing": req.timing,
-                        "env": preflight.lane_cache_env(lane, self.mode.run_target)}
-                result = self.runner.run(task, req.timeout_s)
-                status = result["status"]
-            row = self._row(lane, shape_name, shape, cfg, trial.number, status, verdict, result, versions=versions,
-                            study=study_name)
-            self.writer.add(row)
-            counts[status] = counts.get(status, 0) + 1
-            value = result.get("time_ms") if status == "ok" else PENALTY_MS
-            tell(trial, value, status, key, True, row)
-            measured[key] = value
-            if status == "ok" and (best_val is None or value < best_val):
-                best_val = value
-            bar.update(1)
-            bar.set_postfix_str(f"best {best_val:.4f} ms" if best_val else "best -", refresh=False)
-        for trial, *_ in queue:
-            drop(trial)
-        beats.stop_all()
+                value = result.get("time_ms") if status == "ok" else PENALTY_MS
+                tell(trial, value, status, key, True, row)
+                measured[key] = value
+                if status == "ok" and (best_val is None or value < best_val):
+                    best_val = value
+                bar.update(1)
+                bar.set_postfix_str(f"best {best_val:.4f} ms" if best_val else "best -", refresh=False)
+            for trial, *_ in queue:
+                drop(trial)
+        finally:  # also when the loop fails: a held trial beats no longer, so another worker retries it
+            beats.stop_all()
         bar.close()
         ok = {k: v for k, v in measured.items() if v < PENALTY_MS}
         summary = {"dsl": lane.dsl, "shape": shape_name, "measured": len(measured), "counts": counts,
