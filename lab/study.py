@@ -10,7 +10,8 @@ postgresql://...``); nothing here coordinates beyond what it stores:
   config (``taken``) or, when the other has measured it, records a duplicate of that value.
 * A worker beats a heartbeat for each trial it holds (Optuna's heartbeat, every LAB_HEARTBEAT_S s). A
   trial whose worker fell silent for LAB_GRACE_S s is failed by the next worker that looks, and Optuna's
-  retry callback enqueues its config again, so a dead worker's trial is retried, not lost.
+  retry callback enqueues its config again, so a dead worker's trial is retried, not lost. A worker
+  that was only slow finds its trial failed at its next write to it, keeps its row and goes on.
 """
 from __future__ import annotations
 
