@@ -173,6 +173,29 @@ def _batched(name: str) -> bool:
     return name not in _UNBATCHED
 
 
+def _state_grads(qc: torch.Tensor, dye: torch.Tensor, a_last: torch.Tensor) -> torch.Tensor:
+    """dS [B, H, nc, N, P]: dS_c = dL/dS_{c+1} (the state leaving chunk c; zero for the last chunk, no
+    final-state gradient), from q_hat [B, H, nc, F, N], exp(DA_CS) dy [B, H, nc, F, P], DA_CS at each
+    chunk's last step [B, H, nc]: dS_{c-1} = exp(a_last_c) dS_c + q_hat_c^T (exp(DA_CS) dy_c)."""
+    u = qc.transpose(-1, -2) @ dye
+    dS = torch.empty_like(u)
+    run = torch.zeros_like(u[:, :, 0])
+    for c in range(u.shape[2] - 1, -1, -1):
+        dS[:, :, c] = run
+        run = torch.exp(a_last[:, :, c])[..., None, None] * run + u[:, :, c]
+    return dS
+
+
+def state_grads(inp: dict, shape: dict, dtype=torch.float64) -> torch.Tensor:
+    """dS [B, H, nc, N, P] in ``dtype``: what a lane's dS scan writes (the recurrence in _state_grads)."""
+    B, S, H, G, N, P, R, C, nc, nr = dims(shape)
+    m = _common(inp, shape, dtype)
+    F = C * R
+    qc = rotate(m["q"], m["cos"], m["sin"]).reshape(B, H, nc, F, N)
+    dye = (dy_of(inp, shape, dtype) * torch.exp(inp["DA_CS"].to(dtype))[..., None, None]).reshape(B, H, nc, F, P)
+    return _state_grads(qc, dye, inp["DA_CS"].to(dtype).view(B, H, nc, C)[..., -1])
+
+
 def _bwd_bwd_batch(inp: dict, shape: dict, dtype) -> dict:
     _, S, H, G, N, P, R, C, nc, nr = dims(shape)
     B, F = 1, C * R
@@ -195,13 +218,7 @@ def _bwd_bwd_batch(inp: dict, shape: dict, dtype) -> dict:
     eaF = _per_rank(ea, R).view(B, H, nc, F, 1)
     erF = _per_rank(er, R).view(B, H, nc, F, 1)
 
-    # State gradient: dS_c = dL/dS_{c+1} (state leaving chunk c); dS_{nc-1} = 0 (no final-state grad).
-    u = qc.transpose(-1, -2) @ (dyc * eaF)                           # [B, H, nc, N, P]
-    dS = torch.empty_like(u)
-    run = torch.zeros_like(u[:, :, 0])
-    for c in range(nc - 1, -1, -1):
-        dS[:, :, c] = run
-        run = torch.exp(a_last[:, :, c])[..., None, None] * run + u[:, :, c]
+    dS = _state_grads(qc, dyc * eaF, a_last)
 
     # Intra-chunk decay in (key s, query t) orientation, expanded to fused rows s*R + r.
     seg = inp["SEGSUM"].to(dtype)                                    # [B, H, nc, C(t), C(s)]

@@ -1,0 +1,235 @@
+"""CuTe DSL dS scan of mamba_bwd_bwd: the first kernel of the CuTe lane to come (issue 23), not a lane
+yet; compiled and checked for shared memory on the CPU, not yet run on a GPU (scripts/cute_scan_check.py
+checks it there against lab.problems._mamba3.state_grads).
+
+The only serial part of bwd_bwd: dS_c (N x P, the gradient of the state leaving chunk c; zero for the
+last chunk) walks the chunks last to first in fp32,
+    dS_{c-1} = exp(DA_CS[c*C + C - 1]) dS_c + q_hat_c^T (exp(DA_CS) * dy_c),
+and is written in the input dtype to a workspace [B, H, nc, N, P] (the chunk kernels' GEMM operand).
+The same recurrence as the Triton and TileLang lanes' scans (kernels/triton/mamba_bwd_bwd.py, _scan).
+
+Grid (N/2/BJ * P/BP, H, B), 128 threads (4 warps). A CTA owns BJ rotary pairs (rows j0 + j and
+N/2 + j0 + j of dS, stacked as the M = 2 BJ rows of one accumulator, so the rotation is elementwise
+between the two halves) and BP columns. Per chunk, the threads build q_hat^T (M x F, F = C*R fused
+rows t*R + r) and exp(DA_CS) dy (F x BP) in shared memory in the input dtype, and the 2 x 2 warps
+multiply them with warp-level mma.sync m16n8k16 (ldmatrix, transposed for both operands: q_hat^T is
+stored M-major and dy N-major, the orders the threads build them in). Warp MMA only, so the same code
+compiles for sm_90a and sm_120a / sm_121a.
+
+API learned from this lab's kernels/cute/gemm.py (mma_sync path: TiledMma, LdMatrix partitions) and
+m2rnn_fwd.py (tensor indexing, fragments); the model is lab/problems/_mamba3.py. Sizes in bytes.
+"""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+
+from kernels.cute import _aot
+from kernels.cute.gemm import static_smem
+from lab.problems import _mamba3 as m3
+
+THREADS = 128
+UNROLL = 2  # of the loops that build the operands: fully unrolled, the 64 x 64 tiles spill
+F32 = cutlass.Float32
+TARGETS = ("sm_90a", "sm_120a", "sm_121a")
+
+
+def reason(config: dict, shape: dict) -> str | None:
+    """Why the scan cannot take this shape / tile (None: it can)."""
+    B, S, H, G, N, P, R, C, nc, nr = m3.dims(shape)
+    bj, bp, F = config["SCAN_BJ"], config["SCAN_BP"], C * R
+    if S % C:
+        return f"S={S} must be a multiple of C={C}"
+    if F % 16:
+        return f"C*R={F} must be a multiple of 16 (the MMA's K step)"
+    if bj not in (16, 32) or (N // 2) % bj:
+        return f"SCAN_BJ={bj} must be 16 or 32 and divide N/2={N // 2}"
+    if bp not in (32, 64) or P % bp:
+        return f"SCAN_BP={bp} must be 32 or 64 and divide P={P}"
+    return None
+
+
+def smem_bytes(config: dict, shape: dict, target: str) -> int:
+    """Shared memory of one CTA as the launch counts it: q_hat^T (2 BJ x F) and dy (F x BP) in the input
+    dtype, plus the static part (kernels/cute/gemm.py static_smem)."""
+    F = shape["C"] * shape["R"]
+    return 2 * F * (2 * config["SCAN_BJ"] + config["SCAN_BP"]) + static_smem(target)
+
+
+class Scan:
+    def __init__(self, config: dict, shape: dict):
+        B, S, H, G, N, P, R, C, nc, nr = m3.dims(shape)
+        self.B, self.S, self.H, self.G, self.N, self.P, self.R, self.C, self.nc, self.nr = B, S, H, G, N, P, R, C, nc, nr
+        self.F, self.NH = C * R, N // 2
+        self.BJ, self.BP = config["SCAN_BJ"], config["SCAN_BP"]
+        self.M = 2 * self.BJ
+        self.dt = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[shape["dtype"]]
+        self.has_z, self.reduce_o = bool(shape["hasZ"]), bool(shape["reduceO"])
+
+    @cute.jit
+    def __call__(self, q: cute.Pointer, qb: cute.Pointer, ang: cute.Pointer, da: cute.Pointer,
+                 dout: cute.Pointer, phi: cute.Pointer, z: cute.Pointer, zeta: cute.Pointer,
+                 ds: cute.Pointer, stream: cuda.CUstream):
+        B, S, H, G, N, P, R, nr, nc = self.B, self.S, self.H, self.G, self.N, self.P, self.R, self.nr, self.nc
+        # Coordinates innermost first; strides of the row-major tensors of the boundary.
+        mq = cute.make_tensor(q, cute.make_layout((N, G, R, S, B), stride=(1, N, G * N, R * G * N, S * R * G * N)))
+        mqb = cute.make_tensor(qb, cute.make_layout((N, R, H), stride=(1, N, R * N)))
+        mang = cute.make_tensor(ang, cute.make_layout((nr, H, S, B), stride=(1, nr, H * nr, S * H * nr)))
+        mda = cute.make_tensor(da, cute.make_layout((S, H, B), stride=(1, S, H * S)))
+        if cutlass.const_expr(self.reduce_o):
+            mdo = cute.make_tensor(dout, cute.make_layout((P, H, S, B), stride=(1, P, H * P, S * H * P)))
+        else:
+            mdo = cute.make_tensor(dout, cute.make_layout((P, H, R, S, B),
+                                                          stride=(1, P, H * P, R * H * P, S * R * H * P)))
+        mphi = cute.make_tensor(phi, cute.make_layout((P, R, H), stride=(1, P, R * P)))
+        mz = cute.make_tensor(z, cute.make_layout((P, H, S, B), stride=(1, P, H * P, S * H * P)))
+        mzeta = cute.make_tensor(zeta, cute.make_layout((P, R, H), stride=(1, P, R * P)))
+        mds = cute.make_tensor(ds, cute.make_layout((P, N, nc, H, B), stride=(1, P, N * P, nc * N * P, H * nc * N * P)))
+
+        op = cute.nvgpu.warp.MmaF16BF16Op(self.dt, F32, (16, 8, 16))
+        tiled_mma = cute.make_tiled_mma(op, cute.make_layout((2, 2, 1)), permutation_mnk=(32, 32, 16))
+        a_layout = cute.make_layout((self.M, self.F), stride=(1, self.M))      # q_hat^T, M-major
+        b_layout = cute.make_layout((self.BP, self.F), stride=(1, self.BP))    # dy as (N, K), N-major
+
+        @cute.struct
+        class Storage:
+            sA: cute.struct.Align[cute.struct.MemRange[self.dt, cute.cosize(a_layout)], 128]
+            sB: cute.struct.Align[cute.struct.MemRange[self.dt, cute.cosize(b_layout)], 128]
+
+        self.storage = Storage
+        grid = ((self.NH // self.BJ) * (P // self.BP), H, B)
+        self.kernel(mq, mqb, mang, mda, mdo, mphi, mz, mzeta, mds, tiled_mma, a_layout, b_layout).launch(
+            grid=grid, block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mq: cute.Tensor, mqb: cute.Tensor, mang: cute.Tensor, mda: cute.Tensor, mdo: cute.Tensor,
+               mphi: cute.Tensor, mz: cute.Tensor, mzeta: cute.Tensor, mds: cute.Tensor, tiled_mma: cute.TiledMma,
+               a_layout: cute.Layout, b_layout: cute.Layout):
+        tid, _, _ = cute.arch.thread_idx()
+        tile, h, b = cute.arch.block_idx()
+        BJ, BP, F, R, C, NH, nr = self.BJ, self.BP, self.F, self.R, self.C, self.NH, self.nr
+        npb = self.P // BP
+        j0 = (tile // npb) * BJ
+        p0 = (tile % npb) * BP
+        g = h // (self.H // self.G)
+
+        storage = cutlass.memory.SmemAllocator().allocate(self.storage)
+        sA = storage.sA.get_tensor(a_layout)
+        sB = storage.sB.get_tensor(b_layout)
+
+        thr_mma = tiled_mma.get_slice(tid)
+        # This CTA's dS tile of one chunk as (M, BP): row m < BJ is pair row j0 + m, row BJ + m is N/2 + j0 + m.
+        ds_layout = cute.make_layout(((BJ, 2), BP), stride=((self.P, NH * self.P), 1))
+        acc = cute.make_rmem_tensor(thr_mma.partition_C(cute.make_tensor(mds.iterator, ds_layout)).shape, F32)
+        acc.fill(0.0)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        ld_a = cute.make_tiled_copy_A(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(True, 4), self.dt),
+                                      tiled_mma)
+        ld_b = cute.make_tiled_copy_B(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(True, 4), self.dt),
+                                      tiled_mma)
+        thr_ld_a = ld_a.get_slice(tid)
+        thr_ld_b = ld_b.get_slice(tid)
+        tXsA = thr_ld_a.partition_S(sA)
+        tXrA = thr_ld_a.retile(tCrA)
+        tXsB = thr_ld_b.partition_S(sB)
+        tXrB = thr_ld_b.retile(tCrB)
+        k_blocks = cute.size(tCrA, mode=[2])
+
+        for i in cutlass.range(self.nc, unroll=1):
+            c = self.nc - 1 - i
+            # dS_c: what the later chunks sent back (zero for the last chunk), in the input dtype.
+            gds = cute.make_tensor(mds.iterator + (((b * self.H + h) * self.nc + c) * self.N + j0) * self.P + p0,
+                                   ds_layout)
+            tCgds = thr_mma.partition_C(gds)
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                tCgds[e] = acc[e].to(self.dt)
+            a_last = cute.math.exp(mda[c * C + C - 1, h, b])
+            cute.arch.sync_threads()      # the previous chunk's ldmatrix reads are done
+            for it in cutlass.range(F * BJ // THREADS, unroll=UNROLL):
+                idx = it * THREADS + tid
+                f = idx // BJ
+                j = idx % BJ
+                r = f % R
+                s = c * C + f // R
+                n = j0 + j
+                q_lo = mq[n, g, r, s, b].to(F32) + mqb[n, r, h]
+                q_hi = mq[NH + n, g, r, s, b].to(F32) + mqb[NH + n, r, h]
+                theta = F32(0.0)
+                if n < nr:
+                    theta = mang[n, h, s, b]
+                cos = cute.math.cos(theta)
+                sin = cute.math.sin(theta)
+                sA[j, f] = (q_lo * cos - q_hi * sin).to(self.dt)
+                sA[BJ + j, f] = (q_lo * sin + q_hi * cos).to(self.dt)
+            for it in cutlass.range(F * BP // THREADS, unroll=UNROLL):
+                idx = it * THREADS + tid
+                f = idx // BP
+                p = idx % BP
+                r = f % R
+                s = c * C + f // R
+                pp = p0 + p
+                d = F32(0.0)
+                if cutlass.const_expr(self.reduce_o):
+                    d = mdo[pp, h, s, b].to(F32) * mphi[pp, r, h]
+                else:
+                    d = mdo[pp, h, r, s, b].to(F32)
+                if cutlass.const_expr(self.has_z):
+                    zz = mz[pp, h, s, b].to(F32) * mzeta[pp, r, h]
+                    d = d * zz / (F32(1.0) + cute.math.exp(-zz))
+                sB[p, f] = (d * cute.math.exp(mda[s, h, b])).to(self.dt)
+            cute.arch.sync_threads()
+            acc.store(acc.load() * a_last)
+            for kb in cutlass.range_constexpr(k_blocks):
+                cute.copy(ld_a, tXsA[None, None, kb], tXrA[None, None, kb])
+                cute.copy(ld_b, tXsB[None, None, kb], tXrB[None, None, kb])
+                cute.gemm(tiled_mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
+
+
+def _compile(config: dict, shape: dict, target: str, options: str):
+    from cutlass.cute.runtime import make_ptr
+    from cutlass.cute.typing import AddressSpace
+    from cutlass.runtime import make_fake_stream
+    dt = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[shape["dtype"]]
+    kinds = (dt, F32, F32, F32, dt, F32, dt, F32, dt)     # q, qb, ang, da, dout, phi, z, zeta, ds
+    ptrs = [make_ptr(k, 0, AddressSpace.gmem, assumed_align=16) for k in kinds]
+    return cute.compile(Scan(config, shape), *ptrs, make_fake_stream(),
+                        options=f"--gpu-arch {target} {options}".strip())
+
+
+def compile_for(config: dict, shape: dict, target: str) -> dict:
+    """The scan kernel for ``target`` (no GPU): {"smem_bytes", "registers", "stack", ...} (kernels/cute/_aot.py)."""
+    why = reason(config, shape) or (None if target in TARGETS else f"no path for {target}")
+    if why:
+        raise ValueError(f"cannot compile for {target}: {why}")
+    _, res = _aot.compile_with_resources(lambda opts: _compile(config, shape, target, opts),
+                                         f"cute_bwd_scan_{target}_", target)
+    return res
+
+
+def build(config: dict, shape: dict):
+    """``run(inputs) -> dS`` [B, H, nc, N, P] (input dtype) on the current GPU (its explicit target)."""
+    import torch
+    from cutlass.cute.runtime import make_ptr
+    from cutlass.cute.typing import AddressSpace
+    from kernels import _targets
+    target = _targets.device_target()
+    why = reason(config, shape)
+    if why:
+        raise ValueError(why)
+    fn = _compile(config, shape, target, "")
+    B, S, H, G, N, P, R, C, nc, nr = m3.dims(shape)
+
+    def ptr(t):
+        kind = {torch.float32: F32, torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[t.dtype]
+        return make_ptr(kind, t.data_ptr(), AddressSpace.gmem, assumed_align=16)
+
+    def run(inputs: dict):
+        i = inputs
+        ds = torch.empty(B, H, nc, N, P, dtype=i["Q"].dtype, device=i["Q"].device)
+        z, zeta = (i["Z"], i["MIMO_Z"]) if shape["hasZ"] else (i["V"], i["MIMO_V"])   # not read without Z
+        fn(*(ptr(t) for t in (i["Q"], i["Q_BIAS"], i["ANGLES"], i["DA_CS"], i["DOUT"], i["MIMO_O"], z, zeta, ds)),
+           cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+        return ds
+    return run
