@@ -34,6 +34,7 @@ def test_tiles_it_cannot_take_are_refused():
     assert "SCAN_BJ=32" in scan.reason({"SCAN_BJ": 32, "SCAN_BP": 32}, sh)
     assert "SCAN_BP=16" in scan.reason({"SCAN_BJ": 16, "SCAN_BP": 16}, sh)
     assert scan.reason({"SCAN_BJ": 16, "SCAN_BP": 32}, {**sh, "S": sh["S"] - 1})
+    assert "32-bit" in scan.reason({"SCAN_BJ": 16, "SCAN_BP": 32}, {**sh, "B": 2 ** 20})
     with pytest.raises(ValueError, match="no path for sm_80"):
         scan.compile_for({"SCAN_BJ": 16, "SCAN_BP": 32}, sh, "sm_80")
 

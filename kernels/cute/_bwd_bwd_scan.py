@@ -47,6 +47,8 @@ def reason(config: dict, shape: dict) -> str | None:
         return f"SCAN_BJ={bj} must be 16 or 32 and divide N/2={N // 2}"
     if bp not in (32, 64) or P % bp:
         return f"SCAN_BP={bp} must be 32 or 64 and divide P={P}"
+    if B * H * nc * N * P >= 2 ** 31:
+        return f"dS has {B * H * nc * N * P} elements: beyond the kernel's 32-bit offsets"
     return None
 
 
