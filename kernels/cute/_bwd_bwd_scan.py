@@ -104,13 +104,20 @@ class Scan:
         self.kernel(mq, mqb, mang, mda, mdo, mphi, mz, mzeta, mds, tiled_mma, a_layout, b_layout).launch(
             grid=grid, block=[THREADS, 1, 1], stream=stream)
 
+    def _element(self, it, tid, width: int, c):
+        """Element ``it * THREADS + tid`` of an F x ``width`` operand built in shared memory: its fused row
+        f = t*R + r, its column, the rank r and the step s of chunk c (threads run along the columns)."""
+        idx = it * THREADS + tid
+        f = idx // width
+        return f, idx % width, f % self.R, c * self.C + f // self.R
+
     @cute.kernel
     def kernel(self, mq: cute.Tensor, mqb: cute.Tensor, mang: cute.Tensor, mda: cute.Tensor, mdo: cute.Tensor,
                mphi: cute.Tensor, mz: cute.Tensor, mzeta: cute.Tensor, mds: cute.Tensor, tiled_mma: cute.TiledMma,
                a_layout: cute.Layout, b_layout: cute.Layout):
         tid, _, _ = cute.arch.thread_idx()
         tile, h, b = cute.arch.block_idx()
-        BJ, BP, F, R, C, NH, nr = self.BJ, self.BP, self.F, self.R, self.C, self.NH, self.nr
+        BJ, BP, F, C, NH, nr = self.BJ, self.BP, self.F, self.C, self.NH, self.nr
         npb = self.P // BP
         j0 = (tile // npb) * BJ
         p0 = (tile % npb) * BP
@@ -150,11 +157,7 @@ class Scan:
             a_last = cute.math.exp(mda[c * C + C - 1, h, b])
             cute.arch.sync_threads()      # the previous chunk's ldmatrix reads are done
             for it in cutlass.range(F * BJ // THREADS, unroll=UNROLL):
-                idx = it * THREADS + tid
-                f = idx // BJ
-                j = idx % BJ
-                r = f % R
-                s = c * C + f // R
+                f, j, r, s = self._element(it, tid, BJ, c)
                 n = j0 + j
                 q_lo = mq[n, g, r, s, b].to(F32) + mqb[n, r, h]
                 q_hi = mq[NH + n, g, r, s, b].to(F32) + mqb[NH + n, r, h]
@@ -166,11 +169,7 @@ class Scan:
                 sA[j, f] = (q_lo * cos - q_hi * sin).to(self.dt)
                 sA[BJ + j, f] = (q_lo * sin + q_hi * cos).to(self.dt)
             for it in cutlass.range(F * BP // THREADS, unroll=UNROLL):
-                idx = it * THREADS + tid
-                f = idx // BP
-                p = idx % BP
-                r = f % R
-                s = c * C + f // R
+                f, p, r, s = self._element(it, tid, BP, c)
                 pp = p0 + p
                 d = F32(0.0)
                 if cutlass.const_expr(self.reduce_o):
