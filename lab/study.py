@@ -9,8 +9,9 @@ postgresql://...``); nothing here coordinates beyond what it stores:
   (both may step back; the config stays free for a later proposal). One that steps back skips the
   config (``taken``) or, when the other has measured it, records a duplicate of that value.
 * A worker beats a heartbeat for each trial it holds (Optuna's heartbeat, every LAB_HEARTBEAT_S s). A
-  trial whose worker fell silent for LAB_GRACE_S s is failed by the next worker that looks, and Optuna's
-  retry callback enqueues its config again, so a dead worker's trial is retried, not lost. A worker
+  trial whose worker fell silent for LAB_GRACE_S s is failed by the next worker that looks, and its config is
+  enqueued again (retry_callback: a fresh trial, none of the dead one's tags), so a dead worker's trial is
+  retried, not lost. A worker
   that was only slow finds its trial failed at its next write to it, keeps its row and goes on.
 """
 from __future__ import annotations
@@ -72,9 +73,22 @@ def _admin(server_url: str, *statements: str) -> None:
 
 
 def retry_callback():
-    """Optuna's callback that enqueues a dead worker's config again (at most MAX_RETRY times)."""
-    from optuna.storages import RetryHeartbeatStaleTrialCallback
-    return RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRY)
+    """Callback that enqueues a dead worker's config again (at most MAX_RETRY times).
+
+    As Optuna's RetryFailedTrialCallback (same ``failed_trial`` and ``retry_history`` system attributes),
+    but the retry carries none of the dead trial's user attributes: with the dead worker's claim, host
+    and pid, a retry popped by a live worker looks dead to a worker on that host reading it between the
+    new holder's identity writes (_recover_dead_trials), which failed it while it was being measured,
+    and the config was measured twice."""
+    def retry(study, trial) -> None:
+        import optuna
+        history = [*trial.system_attrs.get("retry_history", []), trial.number]
+        if len(history) > MAX_RETRY:
+            return
+        study.add_trial(optuna.create_trial(
+            state=optuna.trial.TrialState.WAITING, params=trial.params, distributions=trial.distributions,
+            system_attrs={"failed_trial": trial.number, **trial.system_attrs, "retry_history": history}))
+    return retry
 
 
 def storage_errors() -> tuple[type[BaseException], ...]:

@@ -33,8 +33,8 @@ def storage(tmp_path):
     lab_study.drop_database(server, name)
 
 
-# A worker silent this long is taken for dead (the kill test; the default is 120 s). Not less: on a
-# loaded 2-core CI machine a live worker's 1 s heartbeat once lagged 5 s, and its trial was retried.
+# A worker silent this long is taken for dead (the kill test; the default is 120 s): far above the 1 s
+# heartbeat, so a live worker on the loaded 2-core CI machine is never taken for dead.
 GRACE_S = 12
 
 
@@ -98,10 +98,12 @@ def test_a_killed_workers_trial_is_retried_and_no_finished_trial_is_lost(lab_env
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     time.sleep(GRACE_S + 1)  # its heartbeat is stale now: the next workers fail its trial and retry the config
-    _finish([_worker(lab_env, storage, gpu, 24, 0.05, "sim", grace=True) for gpu in range(2)])
+    outs = _finish([_worker(lab_env, storage, gpu, 24, 0.05, "sim", grace=True) for gpu in range(2)])
     rows = load(lab_env.results)
     sim = rows[(rows["phase"] == "sweep") & (rows["dsl"] == "sim")]
-    assert len(sim) == 24 and sim["config_json"].is_unique  # the whole space, each config once
+    twice = sim[sim["config_json"].duplicated(keep=False)][["run_id", "trial", "config_json"]]
+    # the whole space, each config once
+    assert len(sim) == 24 and twice.empty, f"{len(sim)} rows; twice:\n{twice}\n" + "\n".join(outs)[-3000:]
     assert set(sim["gpu_index"].astype(int)) <= {0, 1} and "elsewhere" not in set(sim["host"])  # the victim: no row
     study = _sim_study(storage)
     dead = study.trials[held.number]
@@ -114,6 +116,40 @@ def test_a_killed_workers_trial_is_retried_and_no_finished_trial_is_lost(lab_env
     assert json.dumps({**held.params}, sort_keys=True) in set(
         json.dumps({k: v for k, v in json.loads(c).items() if k in held.params}, sort_keys=True)
         for c in sim["config_json"])
+
+
+def test_a_retry_carries_none_of_the_dead_workers_tags(lab_env, storage):
+    """A dead trial's retry, popped by a live worker that has written its host but not yet its pid, is
+    not taken for dead by a worker on that host (it was, when the retry inherited the dead worker's pid:
+    the live worker measured the config and so did the retry of its failed trial). At most MAX_RETRY
+    retries of one config."""
+    import optuna
+    from lab import sweep
+    host = lab_study.worker_identity()["host"]
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    st = lab_study.open_storage(storage)
+    study = optuna.create_study(storage=st, study_name="retry")
+    dead = study.ask({"X": optuna.distributions.CategoricalDistribution([1, 2])})
+    for k, v in {"host": host, "gpu_index": 0, "pid": gone.pid, "claim": "X=1"}.items():
+        dead.set_user_attr(k, v)
+    sweep._recover_dead_trials(study, lab_env.results)  # no row: failed, its config enqueued again
+    assert study.trials[dead.number].state == optuna.trial.TrialState.FAIL
+    retry = study.ask()
+    assert retry.params == dead.params and retry.number != dead.number
+    retry.set_user_attr("host", host)  # the live worker's first identity write
+    sweep._recover_dead_trials(study, lab_env.results)
+    assert study.trials[retry.number].state == optuna.trial.TrialState.RUNNING
+    assert study.trials[retry.number].user_attrs == {"host": host}  # none of the dead worker's tags
+    retry.set_user_attr("pid", gone.pid)  # now it does look dead (its worker "died" too): retried once more
+    sweep._recover_dead_trials(study, lab_env.results)
+    again = study.ask()
+    assert again.params == dead.params
+    assert study.trials[again.number].system_attrs["retry_history"] == [dead.number, retry.number]
+    again.set_user_attr("host", host)
+    again.set_user_attr("pid", gone.pid)
+    sweep._recover_dead_trials(study, lab_env.results)
+    assert not study.get_trials(states=(optuna.trial.TrialState.WAITING,))  # MAX_RETRY reached
 
 
 class _TakenForDead:
