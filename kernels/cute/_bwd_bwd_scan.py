@@ -1,6 +1,5 @@
-"""CuTe DSL dS scan of mamba_bwd_bwd: the first kernel of the CuTe lane to come (issue 23), not a lane
-yet; compiled and checked for shared memory on the CPU, not yet run on a GPU (scripts/cute_scan_check.py
-checks it there against lab.problems._mamba3.state_grads).
+"""CuTe DSL dS scan of mamba_bwd_bwd, the first of the CuTe lane's four kernels (kernels/cute/mamba_bwd_bwd.py;
+scripts/cute_bwd_check.py checks its dS on the GPU against lab.problems._mamba3.state_grads).
 
 The only serial part of bwd_bwd: dS_c (N x P, the gradient of the state leaving chunk c; zero for the
 last chunk) walks the chunks last to first in fp32,
@@ -188,13 +187,17 @@ class Scan:
                 cute.gemm(tiled_mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
 
 
+def arg_kinds(shape: dict) -> tuple:
+    """Element types of the pointer arguments: q, qb, ang, da, dout, phi, z, zeta, ds."""
+    dt = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[shape["dtype"]]
+    return (dt, F32, F32, F32, dt, F32, dt, F32, dt)
+
+
 def _compile(config: dict, shape: dict, target: str, options: str):
     from cutlass.cute.runtime import make_ptr
     from cutlass.cute.typing import AddressSpace
     from cutlass.runtime import make_fake_stream
-    dt = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[shape["dtype"]]
-    kinds = (dt, F32, F32, F32, dt, F32, dt, F32, dt)     # q, qb, ang, da, dout, phi, z, zeta, ds
-    ptrs = [make_ptr(k, 0, AddressSpace.gmem, assumed_align=16) for k in kinds]
+    ptrs = [make_ptr(k, 0, AddressSpace.gmem, assumed_align=16) for k in arg_kinds(shape)]
     return cute.compile(Scan(config, shape), *ptrs, make_fake_stream(),
                         options=f"--gpu-arch {target} {options}".strip())
 
@@ -207,30 +210,3 @@ def compile_for(config: dict, shape: dict, target: str) -> dict:
     _, res = _aot.compile_with_resources(lambda opts: _compile(config, shape, target, opts),
                                          f"cute_bwd_scan_{target}_", target)
     return res
-
-
-def build(config: dict, shape: dict):
-    """``run(inputs) -> dS`` [B, H, nc, N, P] (input dtype) on the current GPU (its explicit target)."""
-    import torch
-    from cutlass.cute.runtime import make_ptr
-    from cutlass.cute.typing import AddressSpace
-    from kernels import _targets
-    target = _targets.device_target()
-    why = reason(config, shape)
-    if why:
-        raise ValueError(why)
-    fn = _compile(config, shape, target, "")
-    B, S, H, G, N, P, R, C, nc, nr = m3.dims(shape)
-
-    def ptr(t):
-        kind = {torch.float32: F32, torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[t.dtype]
-        return make_ptr(kind, t.data_ptr(), AddressSpace.gmem, assumed_align=16)
-
-    def run(inputs: dict):
-        i = inputs
-        ds = torch.empty(B, H, nc, N, P, dtype=i["Q"].dtype, device=i["Q"].device)
-        z, zeta = (i["Z"], i["MIMO_Z"]) if shape["hasZ"] else (i["V"], i["MIMO_V"])   # not read without Z
-        fn(*(ptr(t) for t in (i["Q"], i["Q_BIAS"], i["ANGLES"], i["DA_CS"], i["DOUT"], i["MIMO_O"], z, zeta, ds)),
-           cuda.CUstream(torch.cuda.current_stream().cuda_stream))
-        return ds
-    return run

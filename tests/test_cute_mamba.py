@@ -1,0 +1,72 @@
+"""The CuTe DSL bwd_bwd lane (kernels/cute/mamba_bwd_bwd.py) on the CPU: its four kernels compile for
+sm_90a and sm_121a at every named shape with the estimated shared memory (within GB10's 101,376 B on
+sm_121a), no spills; what it cannot take is refused with a reason; every launch argument has the
+element type its kernel was compiled for. Parity is the GPU's (lab sweep / gate)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lab import space
+from lab.problems import _mamba3 as m3
+from lab.problems.mamba_bwd_bwd import MambaBwdBwd
+from kernels.cute import mamba_bwd_bwd as lane
+
+GB10_SMEM = 101_376
+SHAPES = space.load_shapes("mamba_bwd_bwd")[0]
+
+
+@pytest.mark.parametrize("target", ["sm_90a", "sm_121a"])
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_every_named_shape_compiles_with_the_estimated_shared_memory(name, target, compiled):
+    shape = space.get_shape("mamba_bwd_bwd", name)
+    res = compiled(lane, dict(lane.DEFAULTS), shape, target)
+    est = lane.smem_kernels(lane.DEFAULTS, shape, target)
+    assert {k: v["smem_bytes"] for k, v in res["kernels"].items()} == est
+    assert res["smem_bytes"] == lane.smem_estimate(lane.DEFAULTS, shape, target)
+    assert target != "sm_121a" or res["smem_bytes"] <= GB10_SMEM, res["smem_bytes"]
+    # 16 B of stack in one kernel (the key side for sm_121a at grid_n128_p128_r4_c8; no disassembler here
+    # reads sm_121a SASS to say what for); none elsewhere.
+    assert res["stack"] <= 16, {k: v["stack"] for k, v in res["kernels"].items()}
+
+
+@pytest.mark.parametrize("target", ["sm_90a", "sm_121a"])
+def test_the_widest_tiles_compile_with_the_estimated_shared_memory(target, compiled):
+    shape = space.get_shape("mamba_bwd_bwd", "h100_tuned")
+    cfg = {"SCAN_BJ": 32, "SCAN_BP": 64, "KEY_BJ": 32, "KEY_BP": 64, "BLOCK_P": 64}
+    res = compiled(lane, cfg, shape, target)
+    assert {k: v["smem_bytes"] for k, v in res["kernels"].items()} == lane.smem_kernels(cfg, shape, target)
+    assert res["smem_bytes"] > GB10_SMEM   # the preflight keeps this one off a GB10
+
+
+def test_what_it_cannot_take_is_refused():
+    sh = space.get_shape("mamba_bwd_bwd", "gb10")
+    assert "C*R=128" in lane.config_reason({}, {**sh, "C": 32})
+    assert "KEY_BJ=32" in lane.config_reason({"KEY_BJ": 32}, space.get_shape("mamba_bwd_bwd", "grid_n32_p64_r4_c16"))
+    assert "BLOCK_P=64" in lane.config_reason({"BLOCK_P": 64}, {**sh, "P": 96})
+    assert "dtype float32" in lane.config_reason({}, {**sh, "dtype": "float32"})
+    assert "SCAN_BJ" in lane.config_reason({"SCAN_BJ": 64}, sh)   # the scan's own rule
+    assert "no path for sm_80" in lane.eligibility("sm_80")
+    with pytest.raises(ValueError, match="cannot compile for sm_90a: C\\*R=128"):
+        lane.compile_for({}, {**sh, "C": 32}, "sm_90a")
+
+
+@pytest.mark.parametrize("opts", [
+    {"hasZ": True, "hasD": True, "reduceO": True, "dtype": "bfloat16"},
+    {"hasZ": False, "hasD": False, "reduceO": False, "dtype": "float16", "G": 2},
+])
+def test_every_argument_has_the_type_its_kernel_was_compiled_for(opts):
+    """The run-time pointers of each kernel, as ``run`` passes them, against the element types its
+    program was compiled with: a tensor in the wrong place or of the wrong type shows here."""
+    shape = {"B": 1, "S": 32, "H": 2, "G": 1, "N": 64, "P": 32, "R": 4, "C": 8, "rd": 4, **opts}
+    prob = MambaBwdBwd()
+    inputs, outputs = prob.make_inputs(shape, "cpu", 0), prob.alloc_outputs(shape, "cpu")
+    work = lane.workspace(lane.DEFAULTS, shape, inputs["Q"].dtype, "cpu")
+    kinds = lane._kinds(shape)
+    names = {torch.float32: "Float32", torch.bfloat16: "BFloat16", torch.float16: "Float16"}
+    for kernel, tensors in lane.arguments(inputs, outputs, work, shape).items():
+        got = [names[t.dtype] for t in tensors]
+        assert got == [k.__name__ for k in kinds[kernel]], kernel
+        assert all(t.is_contiguous() for t in tensors), kernel
+    B, S, H, G, N, P, R, C, nc, nr = m3.dims(shape)
+    assert work["rows"].shape == (B, H, nc, N // 2 // lane.DEFAULTS["KEY_BJ"], 3, C * R)
