@@ -32,6 +32,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
+from kernels.cute import _warp_mma as wm
 from lab.problems import _mamba3 as m3
 
 THREADS = 128
@@ -40,70 +41,12 @@ F32 = cutlass.Float32
 ALIGN = 128  # bytes: each shared buffer's alignment
 
 
-def mma_ss(tiled_mma, tid, acc, sA, sB, a_mn_major: bool, b_mn_major: bool, dt):
-    """acc += sA (M x K) . sB (N x K)^T, both operands in shared memory (ldmatrix, transposed for an
-    operand stored M- / N-major)."""
-    thr = tiled_mma.get_slice(tid)
-    rA = tiled_mma.make_fragment_A(thr.partition_A(sA))
-    rB = tiled_mma.make_fragment_B(thr.partition_B(sB))
-    ld_a = cute.make_tiled_copy_A(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(a_mn_major, 4), dt),
-                                  tiled_mma)
-    ld_b = cute.make_tiled_copy_B(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(b_mn_major, 4), dt),
-                                  tiled_mma)
-    ta, tb = ld_a.get_slice(tid), ld_b.get_slice(tid)
-    sa, ra, sb, rb = ta.partition_S(sA), ta.retile(rA), tb.partition_S(sB), tb.retile(rB)
-    for kb in range(cute.size(rA, mode=[2])):   # trace-time loops: helpers are not preprocessed
-        cute.copy(ld_a, sa[None, None, kb], ra[None, None, kb])
-        cute.copy(ld_b, sb[None, None, kb], rb[None, None, kb])
-        cute.gemm(tiled_mma, acc, rA[None, None, kb], rB[None, None, kb], acc)
-
-
-def accumulator(tiled_mma, tid, M: int, N: int):
-    """A zeroed fp32 accumulator of an M x N product."""
-    acc = cute.make_rmem_tensor(coords(tiled_mma, tid, M, N).shape, F32)
-    acc.fill(0.0)
-    return acc
-
-
-def coords(tiled_mma, tid, M: int, N: int):
-    """The (row, column) of each element of this thread's accumulator of an M x N product."""
-    return tiled_mma.get_slice(tid).partition_C(cute.make_identity_tensor((M, N)))
-
-
-def to_smem(tiled_mma, tid, acc, s):
-    """Accumulator -> the fp32 shared tile ``s`` of its shape."""
-    part = tiled_mma.get_slice(tid).partition_C(s)
-    for e in range(cute.size(acc)):
-        part[e] = acc[e]
-
-
-def from_smem(tiled_mma, tid, acc, s):
-    """The fp32 shared tile ``s`` -> accumulator."""
-    part = tiled_mma.get_slice(tid).partition_C(s)
-    for e in range(cute.size(acc)):
-        acc[e] = part[e]
-
-
-def row_major(rows: int, cols: int):
-    return cute.make_layout((rows, cols), stride=(cols, 1))
-
-
-def col_major(rows: int, cols: int):
-    """(rows, cols) over a row-major [cols, rows] buffer: the transposed view."""
-    return cute.make_layout((rows, cols), stride=(1, rows))
-
-
 def padded(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
 def sigmoid(x):
     return F32(1.0) / (F32(1.0) + cute.math.exp(-x))
-
-
-def tiled(dt):
-    op = cute.nvgpu.warp.MmaF16BF16Op(dt, F32, (16, 8, 16))
-    return cute.make_tiled_mma(op, cute.make_layout((2, 2, 1)), permutation_mnk=(32, 32, 16))
 
 
 class _Views:
@@ -267,7 +210,7 @@ class Key(_Views):
              self.state(states), self.state(ds), self.out_rows(dq), self.out_rows(dk),
              self.step_head(dang, self.nr), self.row_ws(row_ws), self.chunk_ws(dda_ws, self.NBJ))
         self.storage = _storage(self.buffers, self.dt)
-        self.kernel(*t, tiled(self.dt)).launch(grid=(self.nc * self.NBJ, self.H, self.B), block=[THREADS, 1, 1],
+        self.kernel(*t, wm.tiled(self.dt)).launch(grid=(self.nc * self.NBJ, self.H, self.B), block=[THREADS, 1, 1],
                                                stream=stream)
 
     def out_rows(self, p):    # DQ, DK [B, S*R, H, N]
@@ -305,19 +248,19 @@ class Key(_Views):
         j0 = jb * BJ
         g = h // (self.H // self.G)
         st = cutlass.memory.SmemAllocator().allocate(self.storage)
-        s_pv, s_dy = st.pv.get_tensor(row_major(F, BP)), st.dy.get_tensor(row_major(F, BP))
-        s_ds, s_st = st.ds.get_tensor(row_major(M2, BP)), st.st.get_tensor(row_major(M2, BP))
-        s_dkq, s_dks, s_dqs = (st.dkq.get_tensor(row_major(F, F)), st.dks.get_tensor(row_major(F, M2)),
-                               st.dqs.get_tensor(row_major(F, M2)))
-        s_dkqm, s_dqk = st.dkqm.get_tensor(row_major(F, F)), st.dqk.get_tensor(row_major(F, F))
-        s_qh, s_kh = st.qh.get_tensor(row_major(F, M2)), st.kh.get_tensor(row_major(F, M2))
-        s_q, s_k = st.q.get_tensor(row_major(F, M2)), st.k.get_tensor(row_major(F, M2))
-        s_rows, s_red = st.rows.get_tensor(row_major(3, F)), st.red.get_tensor(row_major(1, THREADS))
-        s_ang = st.dkq.get_tensor(row_major(F, BJ))   # the angle gradient per (row, pair), once dkq is used
+        s_pv, s_dy = st.pv.get_tensor(wm.row_major(F, BP)), st.dy.get_tensor(wm.row_major(F, BP))
+        s_ds, s_st = st.ds.get_tensor(wm.row_major(M2, BP)), st.st.get_tensor(wm.row_major(M2, BP))
+        s_dkq, s_dks, s_dqs = (st.dkq.get_tensor(wm.row_major(F, F)), st.dks.get_tensor(wm.row_major(F, M2)),
+                               st.dqs.get_tensor(wm.row_major(F, M2)))
+        s_dkqm, s_dqk = st.dkqm.get_tensor(wm.row_major(F, F)), st.dqk.get_tensor(wm.row_major(F, F))
+        s_qh, s_kh = st.qh.get_tensor(wm.row_major(F, M2)), st.kh.get_tensor(wm.row_major(F, M2))
+        s_q, s_k = st.q.get_tensor(wm.row_major(F, M2)), st.k.get_tensor(wm.row_major(F, M2))
+        s_rows, s_red = st.rows.get_tensor(wm.row_major(3, F)), st.red.get_tensor(wm.row_major(1, THREADS))
+        s_ang = st.dkq.get_tensor(wm.row_major(F, BJ))   # the angle gradient per (row, pair), once dkq is used
 
-        acc_dkq = accumulator(tiled_mma, tid, F, F)
-        acc_dks = accumulator(tiled_mma, tid, F, M2)
-        acc_dqs = accumulator(tiled_mma, tid, F, M2)
+        acc_dkq = wm.accumulator(tiled_mma, tid, F, F)
+        acc_dks = wm.accumulator(tiled_mma, tid, F, M2)
+        acc_dqs = wm.accumulator(tiled_mma, tid, F, M2)
         dda = F32(0.0)
         for p0 in cutlass.range(0, self.P, BP, unroll=1):
             for it in cutlass.range(F * BP // THREADS, unroll=UNROLL):
@@ -337,13 +280,13 @@ class Key(_Views):
                 s_st[m, p] = st_v.to(dt)
                 dda = dda + ds_v.to(F32) * st_v.to(F32)
             cute.arch.sync_threads()
-            mma_ss(tiled_mma, tid, acc_dkq, s_pv, s_dy, False, False, dt)
-            mma_ss(tiled_mma, tid, acc_dks, s_pv, s_ds, False, False, dt)
-            mma_ss(tiled_mma, tid, acc_dqs, s_dy, s_st, False, False, dt)
+            wm.mma_ss(tiled_mma, tid, acc_dkq, s_pv, s_dy, False, False, dt)
+            wm.mma_ss(tiled_mma, tid, acc_dks, s_pv, s_ds, False, False, dt)
+            wm.mma_ss(tiled_mma, tid, acc_dqs, s_dy, s_st, False, False, dt)
             cute.arch.sync_threads()   # before the next step overwrites the operands
-        to_smem(tiled_mma, tid, acc_dkq, s_dkq)
-        to_smem(tiled_mma, tid, acc_dks, s_dks)
-        to_smem(tiled_mma, tid, acc_dqs, s_dqs)
+        wm.to_smem(tiled_mma, tid, acc_dkq, s_dkq)
+        wm.to_smem(tiled_mma, tid, acc_dks, s_dks)
+        wm.to_smem(tiled_mma, tid, acc_dqs, s_dqs)
         total = _block_sum(s_red, tid, dda)    # its barrier also publishes the tiles above
         if tid == 0:
             mdda[jb, c, h, b] = cute.math.exp(mda[c * C + C - 1, h, b]) * total
@@ -384,16 +327,16 @@ class Key(_Views):
         cute.arch.sync_threads()
 
         # dk_hat = er dks + dkq_m q_hat; dq_hat = ea dqs + dkq_m^T k_hat (back into s_dks, s_dqs).
-        acc = accumulator(tiled_mma, tid, F, M2)
-        from_smem(tiled_mma, tid, acc, s_dks)
-        mma_ss(tiled_mma, tid, acc, s_dkqm, st.qh.get_tensor(col_major(M2, F)), False, True, dt)
-        acc2 = accumulator(tiled_mma, tid, F, M2)
-        from_smem(tiled_mma, tid, acc2, s_dqs)
-        mma_ss(tiled_mma, tid, acc2, st.dkqm.get_tensor(col_major(F, F)), st.kh.get_tensor(col_major(M2, F)),
+        acc = wm.accumulator(tiled_mma, tid, F, M2)
+        wm.from_smem(tiled_mma, tid, acc, s_dks)
+        wm.mma_ss(tiled_mma, tid, acc, s_dkqm, st.qh.get_tensor(wm.col_major(M2, F)), False, True, dt)
+        acc2 = wm.accumulator(tiled_mma, tid, F, M2)
+        wm.from_smem(tiled_mma, tid, acc2, s_dqs)
+        wm.mma_ss(tiled_mma, tid, acc2, st.dkqm.get_tensor(wm.col_major(F, F)), st.kh.get_tensor(wm.col_major(M2, F)),
                True, True, dt)
         cute.arch.sync_threads()   # every thread has read s_dks, s_dqs
-        to_smem(tiled_mma, tid, acc, s_dks)
-        to_smem(tiled_mma, tid, acc2, s_dqs)
+        wm.to_smem(tiled_mma, tid, acc, s_dks)
+        wm.to_smem(tiled_mma, tid, acc2, s_dqs)
         cute.arch.sync_threads()
 
         # Angle gradient, DFACTOR's row sums, and the rotary transposes of dk_hat factor and dq_hat.
@@ -419,15 +362,15 @@ class Key(_Views):
         out_layout = cute.make_layout((F, (BJ, 2)), stride=(self.H * self.N, (1, NH)))
         row0 = (b * self.S * R + c * F) * self.H * self.N + h * self.N + j0
         for which in cutlass.range_constexpr(2):
-            acc3 = accumulator(tiled_mma, tid, F, M2)
+            acc3 = wm.accumulator(tiled_mma, tid, F, M2)
             if cutlass.const_expr(which == 0):
-                from_smem(tiled_mma, tid, acc3, s_dks)
-                mma_ss(tiled_mma, tid, acc3, st.dqk.get_tensor(col_major(F, F)), st.q.get_tensor(col_major(M2, F)),
+                wm.from_smem(tiled_mma, tid, acc3, s_dks)
+                wm.mma_ss(tiled_mma, tid, acc3, st.dqk.get_tensor(wm.col_major(F, F)), st.q.get_tensor(wm.col_major(M2, F)),
                        True, True, dt)
                 dst = cute.make_tensor(mdk.iterator + row0, out_layout)
             else:
-                from_smem(tiled_mma, tid, acc3, s_dqs)
-                mma_ss(tiled_mma, tid, acc3, s_dqk, st.k.get_tensor(col_major(M2, F)), False, True, dt)
+                wm.from_smem(tiled_mma, tid, acc3, s_dqs)
+                wm.mma_ss(tiled_mma, tid, acc3, s_dqk, st.k.get_tensor(wm.col_major(M2, F)), False, True, dt)
                 dst = cute.make_tensor(mdq.iterator + row0, out_layout)
             part = tiled_mma.get_slice(tid).partition_C(dst)
             for e in cutlass.range_constexpr(cute.size(acc3)):
@@ -482,7 +425,7 @@ class Value(_Views):
              self.per_step(ddda), self.per_step(dda_cs), self.per_step(dda_cs_rev), mssda, mdpsi,
              self.chunk_ws(dd_ws, 1))
         self.storage = _storage(self.buffers, self.dt)
-        self.kernel(*t, tiled(self.dt)).launch(grid=(nc, H, B), block=[THREADS, 1, 1], stream=stream)
+        self.kernel(*t, wm.tiled(self.dt)).launch(grid=(nc, H, B), block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mq: cute.Tensor, mk: cute.Tensor, mqb: cute.Tensor, mkb: cute.Tensor, mv: cute.Tensor,
@@ -497,12 +440,12 @@ class Value(_Views):
         F, R, C, N, NH, BP, P, dt = self.F, self.R, self.C, self.N, self.NH, self.BP, self.P, self.dt
         g = h // (self.H // self.G)
         st = cutlass.memory.SmemAllocator().allocate(self.storage)
-        s_kh, s_qh = st.kh.get_tensor(row_major(F, N)), st.qh.get_tensor(row_major(F, N))
-        s_lkq, s_a = st.lkq.get_tensor(row_major(F, F)), st.a.get_tensor(row_major(F, F))
-        s_dy, s_pv = st.dy.get_tensor(row_major(F, BP)), st.pv.get_tensor(row_major(F, BP))
-        s_ds, s_dp = st.ds.get_tensor(row_major(N, BP)), st.dp.get_tensor(row_major(F, BP))
-        s_diag = st.dp.get_tensor(row_major(F, R))    # dkq's same-step entries, after the P loop
-        s_red = st.red.get_tensor(row_major(1, THREADS))
+        s_kh, s_qh = st.kh.get_tensor(wm.row_major(F, N)), st.qh.get_tensor(wm.row_major(F, N))
+        s_lkq, s_a = st.lkq.get_tensor(wm.row_major(F, F)), st.a.get_tensor(wm.row_major(F, F))
+        s_dy, s_pv = st.dy.get_tensor(wm.row_major(F, BP)), st.pv.get_tensor(wm.row_major(F, BP))
+        s_ds, s_dp = st.ds.get_tensor(wm.row_major(N, BP)), st.dp.get_tensor(wm.row_major(F, BP))
+        s_diag = st.dp.get_tensor(wm.row_major(F, R))    # dkq's same-step entries, after the P loop
+        s_red = st.red.get_tensor(wm.row_major(1, THREADS))
 
         # k_hat and q_hat over all of N (natural coordinate order), then lkq = k_hat q_hat^T.
         for it in cutlass.range(F * NH // THREADS, unroll=UNROLL):
@@ -522,9 +465,9 @@ class Value(_Views):
             s_kh[f, n] = ((k_lo * cos - k_hi * sin) * factor).to(dt)
             s_kh[f, NH + n] = ((k_lo * sin + k_hi * cos) * factor).to(dt)
         cute.arch.sync_threads()
-        acc_lkq = accumulator(tiled_mma, tid, F, F)
-        mma_ss(tiled_mma, tid, acc_lkq, s_kh, s_qh, False, False, dt)
-        to_smem(tiled_mma, tid, acc_lkq, s_lkq)
+        acc_lkq = wm.accumulator(tiled_mma, tid, F, F)
+        wm.mma_ss(tiled_mma, tid, acc_lkq, s_kh, s_qh, False, False, dt)
+        wm.to_smem(tiled_mma, tid, acc_lkq, s_lkq)
         cute.arch.sync_threads()
         # A = lkq * decay + gamma QK_DOT on the same-step blocks: A[x, y] = gamma_y QK_DOT[t, r_y, r_x].
         for it in cutlass.range(F * F // THREADS, unroll=UNROLL):
@@ -540,7 +483,7 @@ class Value(_Views):
         if cutlass.const_expr(self.has_d):
             dpar = mdpar[h]
         dd = F32(0.0)
-        acc_dkq = accumulator(tiled_mma, tid, F, F)
+        acc_dkq = wm.accumulator(tiled_mma, tid, F, F)
         for p0 in cutlass.range(0, P, BP, unroll=1):
             # Operands: dy, PsiV [F, BP] (input dtype), the dS columns [N, BP]; D dy (fp32) into s_dp.
             for it in cutlass.range(F * BP // THREADS, unroll=UNROLL):
@@ -559,17 +502,17 @@ class Value(_Views):
                 s_ds[n, p] = mds[p0 + p, n, c, h, b]
             cute.arch.sync_threads()
             # dPsiV = er (k_hat dS) + D dy + A dy; er per accumulator row.
-            acc = accumulator(tiled_mma, tid, F, BP)
-            coord = coords(tiled_mma, tid, F, BP)
-            mma_ss(tiled_mma, tid, acc, s_kh, st.ds.get_tensor(col_major(BP, N)), False, True, dt)
+            acc = wm.accumulator(tiled_mma, tid, F, BP)
+            coord = wm.coords(tiled_mma, tid, F, BP)
+            wm.mma_ss(tiled_mma, tid, acc, s_kh, st.ds.get_tensor(wm.col_major(BP, N)), False, True, dt)
             dp_part = tiled_mma.get_slice(tid).partition_C(s_dp)
             for e in cutlass.range_constexpr(cute.size(acc)):
                 f = coord[e][0]
                 acc[e] = acc[e] * cute.math.exp(mdar[c * C + f // R, h, b]) + dp_part[e]
-            mma_ss(tiled_mma, tid, acc, s_a, st.dy.get_tensor(col_major(BP, F)), False, True, dt)
-            mma_ss(tiled_mma, tid, acc_dkq, s_pv, s_dy, False, False, dt)
+            wm.mma_ss(tiled_mma, tid, acc, s_a, st.dy.get_tensor(wm.col_major(BP, F)), False, True, dt)
+            wm.mma_ss(tiled_mma, tid, acc_dkq, s_pv, s_dy, False, False, dt)
             cute.arch.sync_threads()   # every thread has read s_dp
-            to_smem(tiled_mma, tid, acc, s_dp)
+            wm.to_smem(tiled_mma, tid, acc, s_dp)
             cute.arch.sync_threads()
             # DV[t, p] = sum_r dPsiV[(t, r), p] Psi[r, p]; DMIMO_V's part sum_t dPsiV[(t, r), p] V[t, p].
             for it in cutlass.range(-(-C * BP // THREADS), unroll=1):
@@ -596,7 +539,7 @@ class Value(_Views):
 
         # lkq * dkq (in place, each element by the thread that holds it) and dkq's same-step entries.
         lkq_part = tiled_mma.get_slice(tid).partition_C(s_lkq)
-        coord = coords(tiled_mma, tid, F, F)
+        coord = wm.coords(tiled_mma, tid, F, F)
         for e in cutlass.range_constexpr(cute.size(acc_dkq)):
             x, y = coord[e][0], coord[e][1]
             lkq_part[e] = lkq_part[e] * acc_dkq[e]

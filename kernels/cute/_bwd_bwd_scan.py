@@ -25,6 +25,7 @@ import cutlass
 import cutlass.cute as cute
 
 from kernels.cute import _aot
+from kernels.cute import _warp_mma as wm
 from kernels.cute.gemm import static_smem
 from lab.problems import _mamba3 as m3
 
@@ -88,8 +89,7 @@ class Scan:
         mzeta = cute.make_tensor(zeta, cute.make_layout((P, R, H), stride=(1, P, R * P)))
         mds = cute.make_tensor(ds, cute.make_layout((P, N, nc, H, B), stride=(1, P, N * P, nc * N * P, H * nc * N * P)))
 
-        op = cute.nvgpu.warp.MmaF16BF16Op(self.dt, F32, (16, 8, 16))
-        tiled_mma = cute.make_tiled_mma(op, cute.make_layout((2, 2, 1)), permutation_mnk=(32, 32, 16))
+        tiled_mma = wm.tiled(self.dt)
         a_layout = cute.make_layout((self.M, self.F), stride=(1, self.M))      # q_hat^T, M-major
         b_layout = cute.make_layout((self.BP, self.F), stride=(1, self.BP))    # dy as (N, K), N-major
 
@@ -129,21 +129,7 @@ class Scan:
         thr_mma = tiled_mma.get_slice(tid)
         # This CTA's dS tile of one chunk as (M, BP): row m < BJ is pair row j0 + m, row BJ + m is N/2 + j0 + m.
         ds_layout = cute.make_layout(((BJ, 2), BP), stride=((self.P, NH * self.P), 1))
-        acc = cute.make_rmem_tensor(thr_mma.partition_C(cute.make_tensor(mds.iterator, ds_layout)).shape, F32)
-        acc.fill(0.0)
-        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-        ld_a = cute.make_tiled_copy_A(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(True, 4), self.dt),
-                                      tiled_mma)
-        ld_b = cute.make_tiled_copy_B(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(True, 4), self.dt),
-                                      tiled_mma)
-        thr_ld_a = ld_a.get_slice(tid)
-        thr_ld_b = ld_b.get_slice(tid)
-        tXsA = thr_ld_a.partition_S(sA)
-        tXrA = thr_ld_a.retile(tCrA)
-        tXsB = thr_ld_b.partition_S(sB)
-        tXrB = thr_ld_b.retile(tCrB)
-        k_blocks = cute.size(tCrA, mode=[2])
+        acc = wm.accumulator(tiled_mma, tid, self.M, BP)
 
         for i in cutlass.range(self.nc, unroll=1):
             c = self.nc - 1 - i
@@ -181,10 +167,7 @@ class Scan:
                 sB[p, f] = (d * cute.math.exp(mda[s, h, b])).to(self.dt)
             cute.arch.sync_threads()
             acc.store(acc.load() * a_last)
-            for kb in cutlass.range_constexpr(k_blocks):
-                cute.copy(ld_a, tXsA[None, None, kb], tXrA[None, None, kb])
-                cute.copy(ld_b, tXsB[None, None, kb], tXrB[None, None, kb])
-                cute.gemm(tiled_mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
+            wm.mma_ss(tiled_mma, tid, acc, sA, sB, True, True, self.dt)   # q_hat^T M-major, dy N-major
 
 
 def arg_kinds(shape: dict) -> tuple:
