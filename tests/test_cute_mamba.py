@@ -1,18 +1,22 @@
 """The CuTe DSL bwd_bwd lane (kernels/cute/mamba_bwd_bwd.py) on the CPU: its four kernels compile for
 sm_90a and sm_121a at every named shape with the estimated shared memory (within GB10's 101,376 B on
 sm_121a), no spills; what it cannot take is refused with a reason; every launch argument has the
-element type its kernel was compiled for. Parity is the GPU's (lab sweep / gate)."""
+element type its kernel was compiled for; and the kernels' own bodies, run on the CPU stand-in for
+CuTe DSL (tests/cute_standin.py), match the reference on all 12 outputs at small shapes (index
+arithmetic, views, operand orientation, barriers; the DSL's lowering is the GPU's to check)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lab import space
+from lab import parity, space
 from lab.problems import _mamba3 as m3
 from lab.problems.mamba_bwd_bwd import MambaBwdBwd
 from kernels.cute import mamba_bwd_bwd as lane
+from tests import cute_standin as standin
 
 GB10_SMEM = 101_376
+PROBLEM = MambaBwdBwd()
 SHAPES = space.load_shapes("mamba_bwd_bwd")[0]
 
 
@@ -70,3 +74,62 @@ def test_every_argument_has_the_type_its_kernel_was_compiled_for(opts):
         assert all(t.is_contiguous() for t in tensors), kernel
     B, S, H, G, N, P, R, C, nc, nr = m3.dims(shape)
     assert work["rows"].shape == (B, H, nc, N // 2 // lane.DEFAULTS["KEY_BJ"], 3, C * R)
+
+
+def _small(**kw) -> dict:
+    base = {"B": 1, "S": 16, "H": 1, "G": 1, "N": 32, "P": 32, "R": 4, "C": 8, "rd": 4, "hasZ": True, "hasD": True,
+            "reduceO": True, "dtype": "bfloat16"}
+    return {**base, **kw}
+
+
+WIDE = {"SCAN_BJ": 32, "SCAN_BP": 64, "KEY_BJ": 32, "KEY_BP": 64, "BLOCK_P": 64}
+BODY_CASES = [
+    pytest.param(_small(B=2, S=24), {}, id="bf16-options-on-b2-3-chunks"),
+    pytest.param(_small(S=24, H=2, G=2, N=64, rd=2, hasZ=False, hasD=False, reduceO=False, dtype="float16"), {},
+                 id="fp16-options-off-gqa-rd2-two-key-ctas"),
+    pytest.param(_small(S=24, N=64, P=64, R=8, reduceO=False), WIDE, id="wide-tiles-r8-f64"),
+]
+
+
+@pytest.mark.parametrize("shape,config", BODY_CASES)
+def test_kernel_bodies_match_the_reference(shape, config):
+    """The lane's four kernels, their own bodies on the stand-in, against reference (2) in fp64."""
+    PROBLEM.check_shape(shape)
+    assert lane.config_reason(config, shape) is None
+    inputs, outputs = PROBLEM.make_inputs(shape, "cpu", 5), PROBLEM.alloc_outputs(shape, "cpu")
+    assert standin.run_lane(config, shape, inputs, outputs) == ["scan", "key", "value", "reduce"]
+    ref = PROBLEM.reference(inputs, shape)
+    tol, bands = PROBLEM.tolerance(shape), PROBLEM.output_tolerances(shape)
+    ok, errors = parity.compare(outputs, ref, tol, bands)
+    assert ok, parity.describe_failure(errors, tol, str(shape), bands)
+    # With room: the stand-in multiplies exactly, so only the bf16 / fp16 operands' rounding is left
+    # (measured: bf16 up to 4.5e-3, fp16 up to 5.4e-4).
+    bound = 8e-3 if shape["dtype"] == "bfloat16" else 2e-3
+    assert max(e.rel_l2 for e in errors.values()) < bound, errors
+
+
+def _flip_factor(ns):
+    good = ns["chunk"]["_Views"].gates
+
+    def bad(self, *args):
+        gamma, factor, er = good(self, *args)
+        return gamma, -factor, er
+    ns["chunk"]["_Views"].gates = bad
+    return "DV"
+
+
+def _untransposed_operands(ns):
+    ns["chunk"]["wm"].col_major = ns["chunk"]["wm"].row_major   # a transposed operand view read as stored
+    return "DK"
+
+
+@pytest.mark.parametrize("break_it", [_flip_factor, _untransposed_operands], ids=("gate-sign", "operand-view"))
+def test_the_stand_in_catches_a_wrong_body(break_it):
+    """The check can fail: a sign in the gates, or a transposed operand view read as stored."""
+    shape = _small()
+    modules = standin.emulated()
+    wrong = break_it(modules)
+    inputs, outputs = PROBLEM.make_inputs(shape, "cpu", 5), PROBLEM.alloc_outputs(shape, "cpu")
+    standin.run_lane({}, shape, inputs, outputs, modules)
+    ok, errors = parity.compare(outputs, PROBLEM.reference(inputs, shape), PROBLEM.tolerance(shape))
+    assert not ok and not errors[wrong].ok(PROBLEM.tolerance(shape)), errors
