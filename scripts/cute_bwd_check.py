@@ -3,8 +3,8 @@ and beside the lab's sweep: at each shape, the dS scan's workspace against
 lab.problems._mamba3.state_grads (fp64), then every one of the 12 outputs against the reference (fp32
 on the GPU, the lab's parity) with its rel_l2 / rel_max and band, so a wrong output names the kernel
 that writes it (scan: dS; key: DQ, DK, DANGLES and the workspaces behind DDA, DDA_CS, DDA_CS_REV,
-DFACTOR; value: the rest; reduce: DMIMO_V, DD). Then the lane's time (median of 20 calls after 3
-warm-ups, CUDA events, L2 not flushed: a first look, not a lab row).
+DFACTOR; value: the rest; reduce: DMIMO_V, DD). Then the lane's time and each kernel's (median of 20
+calls after 3 warm-ups, CUDA events, L2 not flushed: a first look, not a lab row).
 
     python scripts/cute_bwd_check.py [SHAPE ...] [--config KEY=VALUE ...]   (default: the named shapes)"""
 from __future__ import annotations
@@ -47,8 +47,9 @@ def check(name: str, config: dict) -> bool:
     torch.cuda.synchronize()
     run(inputs, outputs)
     torch.cuda.synchronize()
+    launch = lane.launchers(config, shape)
     work = lane.workspace(config, shape, inputs["Q"].dtype, "cuda")   # the scan alone, into a workspace of ours
-    lane.launchers(config, shape)["scan"](inputs, outputs, work)
+    launch["scan"](inputs, outputs, work)
     torch.cuda.synchronize()
     ref_ds = m3.state_grads(inputs, shape)
     ds = parity.output_error(work["ds"], ref_ds)
@@ -63,7 +64,9 @@ def check(name: str, config: dict) -> bool:
         ok = ok and good
         print(f"  {writer.get(out, 'value'):6s} {out:11s} rel_l2 {err.rel_l2:.2e} rel_max {err.rel_max:.2e} "
               f"nonfinite {err.nonfinite} {'ok' if good else 'WRONG'}", flush=True)
-    print(f"  time {_time_ms(lambda: run(inputs, outputs)):.3f} ms", flush=True)
+    each = {name: _time_ms(lambda f=launch[name]: f(inputs, outputs, work)) for name in lane.KERNELS}
+    print(f"  time {_time_ms(lambda: run(inputs, outputs)):.3f} ms (" +
+          ", ".join(f"{name} {ms:.3f}" for name, ms in each.items()) + ")", flush=True)
     return ok
 
 
