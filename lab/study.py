@@ -9,10 +9,10 @@ postgresql://...``); nothing here coordinates beyond what it stores:
   (both may step back; the config stays free for a later proposal). One that steps back skips the
   config (``taken``) or, when the other has measured it, records a duplicate of that value.
 * A worker beats a heartbeat for each trial it holds (Optuna's heartbeat, every LAB_HEARTBEAT_S s). A
-  trial whose worker fell silent for LAB_GRACE_S s is failed by the next worker that looks, and its config is
-  enqueued again (retry_callback: a fresh trial, none of the dead one's tags), so a dead worker's trial is
-  retried, not lost. A worker
-  that was only slow finds its trial failed at its next write to it, keeps its row and goes on.
+  trial whose worker fell silent for LAB_GRACE_S s is failed by the next worker that looks, and its
+  config is enqueued again (retry_callback: a fresh trial, none of the dead one's tags), so a dead
+  worker's trial is retried, not lost. A worker that was only slow finds its trial failed at its next
+  write to it, keeps its row and goes on.
 """
 from __future__ import annotations
 
@@ -77,9 +77,9 @@ def retry_callback():
 
     As Optuna's RetryFailedTrialCallback (same ``failed_trial`` and ``retry_history`` system attributes),
     but the retry carries none of the dead trial's user attributes: with the dead worker's claim, host
-    and pid, a retry popped by a live worker looks dead to a worker on that host reading it between the
-    new holder's identity writes (_recover_dead_trials), which failed it while it was being measured,
-    and the config was measured twice."""
+    and pid, a retry popped by a live worker would look dead to a worker on that host that reads it
+    between the new holder's identity writes (_recover_dead_trials), and be failed and retried again
+    while its config is being measured."""
     def retry(study, trial) -> None:
         import optuna
         history = [*trial.system_attrs.get("retry_history", []), trial.number]
