@@ -346,6 +346,9 @@ class _Buffer:
     def __init__(self, spec: _Spec):
         self.mem = _Memory(torch.full((spec.count,), math.nan, dtype=spec.dtype.torch))
 
+    def data_ptr(self) -> Ptr:
+        return Ptr(self.mem)
+
     def get_tensor(self, layout: Layout):
         if layout.cosize() > self.mem.numel():
             raise IndexError(f"a view of {layout.cosize()} elements on a buffer of {self.mem.numel()}")

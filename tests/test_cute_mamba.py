@@ -29,9 +29,7 @@ def test_every_named_shape_compiles_with_the_estimated_shared_memory(name, targe
     assert {k: v["smem_bytes"] for k, v in res["kernels"].items()} == est
     assert res["smem_bytes"] == lane.smem_estimate(lane.DEFAULTS, shape, target)
     assert target != "sm_121a" or res["smem_bytes"] <= GB10_SMEM, res["smem_bytes"]
-    # 16 B of stack in one kernel (the key side for sm_121a at grid_n128_p128_r4_c8; no disassembler here
-    # reads sm_121a SASS to say what for); none elsewhere.
-    assert res["stack"] <= 16, {k: v["stack"] for k, v in res["kernels"].items()}
+    assert res["stack"] == 0, {k: v["stack"] for k, v in res["kernels"].items()}   # no spills
 
 
 @pytest.mark.parametrize("target", ["sm_90a", "sm_121a"])
@@ -40,7 +38,9 @@ def test_the_widest_tiles_compile_with_the_estimated_shared_memory(target, compi
     cfg = {"SCAN_BJ": 32, "SCAN_BP": 64, "KEY_BJ": 32, "KEY_BP": 64, "BLOCK_P": 64}
     res = compiled(lane, cfg, shape, target)
     assert {k: v["smem_bytes"] for k, v in res["kernels"].items()} == lane.smem_kernels(cfg, shape, target)
-    assert res["smem_bytes"] > GB10_SMEM   # the preflight keeps this one off a GB10
+    # The P loop's operands share a region with the later ones (key side), q_hat with the P loop's (value
+    # side): even the widest tiles fit a GB10 at the largest named N.
+    assert target != "sm_121a" or res["smem_bytes"] <= GB10_SMEM, res["smem_bytes"]
 
 
 def test_what_it_cannot_take_is_refused():

@@ -139,34 +139,62 @@ class _Views:
 # key side
 
 
-def key_layout(config: dict, shape: dict) -> dict:
-    """Shared buffers of the key kernel: name -> (rows, cols, element bytes)."""
+class Buffers:
+    """A kernel's shared buffers, name -> (rows, cols, element bytes), each aligned to ALIGN bytes. The
+    input-dtype buffers of each group in ``phases`` share one region ("ops"), laid out one group at a
+    time: a group's buffers are dead (a barrier passed) before the next group's are written."""
+
+    def __init__(self, buffers: dict, phases: tuple = ()):
+        self.buffers, self.offsets, region = buffers, {}, 0
+        for group in phases:
+            at = 0
+            for name in group:
+                r, c, b = buffers[name]
+                assert b == 2, name
+                self.offsets[name] = at // 2   # elements of the input dtype
+                at += padded(r * c * b)
+            region = max(region, at)
+        self.region = region
+
+    def nbytes(self) -> int:
+        """Dynamic shared memory of the kernel, bytes."""
+        return self.region + sum(padded(r * c * b) for n, (r, c, b) in self.buffers.items() if n not in self.offsets)
+
+    def storage(self, dt):
+        """A cute.struct with one aligned MemRange per buffer outside the shared region, and the region."""
+        fields = {name: cute.struct.Align[cute.struct.MemRange[dt if b == 2 else F32, r * c], ALIGN]
+                  for name, (r, c, b) in self.buffers.items() if name not in self.offsets}
+        if self.region:
+            fields["ops"] = cute.struct.Align[cute.struct.MemRange[dt, self.region // 2], ALIGN]
+        return cute.struct(type("Buffers", (), {"__annotations__": fields}))
+
+    def tensor(self, st, name: str, layout):
+        """Buffer ``name`` of the allocated storage ``st`` seen through ``layout`` (at trace time)."""
+        if name in self.offsets:
+            return cute.make_tensor(st.ops.data_ptr() + self.offsets[name], layout)
+        return getattr(st, name).get_tensor(layout)
+
+
+def key_layout(config: dict, shape: dict) -> Buffers:
+    """Shared buffers of the key kernel; the P loop's operands and the later products' operands share
+    one region."""
     F, e = shape["C"] * shape["R"], 2
     m2, bp = 2 * config["KEY_BJ"], config["KEY_BP"]
-    return {"pv": (F, bp, e), "dy": (F, bp, e), "ds": (m2, bp, e), "st": (m2, bp, e),
-            "dkq": (F, F, 4), "dks": (F, m2, 4), "dqs": (F, m2, 4),
-            "dkqm": (F, F, e), "dqk": (F, F, e), "qh": (F, m2, e), "kh": (F, m2, e), "q": (F, m2, e), "k": (F, m2, e),
-            "rows": (3, F, 4), "red": (1, THREADS, 4)}
+    return Buffers({"pv": (F, bp, e), "dy": (F, bp, e), "ds": (m2, bp, e), "st": (m2, bp, e),
+                    "dkq": (F, F, 4), "dks": (F, m2, 4), "dqs": (F, m2, 4),
+                    "dkqm": (F, F, e), "dqk": (F, F, e), "qh": (F, m2, e), "kh": (F, m2, e), "q": (F, m2, e),
+                    "k": (F, m2, e), "rows": (3, F, 4), "red": (1, THREADS, 4)},
+                   (("pv", "dy", "ds", "st"), ("dkqm", "dqk", "qh", "kh", "q", "k")))
 
 
-def value_layout(config: dict, shape: dict) -> dict:
-    """Shared buffers of the value kernel: name -> (rows, cols, element bytes)."""
+def value_layout(config: dict, shape: dict) -> Buffers:
+    """Shared buffers of the value kernel; q_hat (read by the first product only) shares its region with
+    the P loop's operands."""
     F, N, R, e = shape["C"] * shape["R"], shape["N"], shape["R"], 2
     bp = config["BLOCK_P"]
-    return {"kh": (F, N, e), "qh": (F, N, e), "lkq": (F, F, 4), "a": (F, F, e),
-            "dy": (F, bp, e), "pv": (F, bp, e), "ds": (N, bp, e), "dp": (F, max(bp, R), 4), "red": (1, THREADS, 4)}
-
-
-def layout_bytes(buffers: dict) -> int:
-    """Dynamic shared memory of a kernel's buffers, each aligned to ALIGN bytes."""
-    return sum(padded(r * c * b) for r, c, b in buffers.values())
-
-
-def _storage(buffers: dict, dt):
-    """A cute.struct with one aligned MemRange per buffer (in the order given)."""
-    fields = {name: cute.struct.Align[cute.struct.MemRange[dt if b == 2 else F32, r * c], ALIGN]
-              for name, (r, c, b) in buffers.items()}
-    return cute.struct(type("Buffers", (), {"__annotations__": fields}))
+    return Buffers({"kh": (F, N, e), "qh": (F, N, e), "lkq": (F, F, 4), "a": (F, F, e), "dy": (F, bp, e),
+                    "pv": (F, bp, e), "ds": (N, bp, e), "dp": (F, max(bp, R), 4), "red": (1, THREADS, 4)},
+                   (("qh",), ("dy", "pv", "ds")))
 
 
 @cute.jit
@@ -209,7 +237,7 @@ class Key(_Views):
              self.dout(dout), self.per_rank(phi, self.P), self.step_head(z, self.P), self.per_rank(zeta, self.P),
              self.state(states), self.state(ds), self.out_rows(dq), self.out_rows(dk),
              self.step_head(dang, self.nr), self.row_ws(row_ws), self.chunk_ws(dda_ws, self.NBJ))
-        self.storage = _storage(self.buffers, self.dt)
+        self.storage = self.buffers.storage(self.dt)
         self.kernel(*t, wm.tiled(self.dt)).launch(grid=(self.nc * self.NBJ, self.H, self.B), block=[THREADS, 1, 1],
                                                stream=stream)
 
@@ -248,13 +276,14 @@ class Key(_Views):
         j0 = jb * BJ
         g = h // (self.H // self.G)
         st = cutlass.memory.SmemAllocator().allocate(self.storage)
-        s_pv, s_dy = st.pv.get_tensor(wm.row_major(F, BP)), st.dy.get_tensor(wm.row_major(F, BP))
-        s_ds, s_st = st.ds.get_tensor(wm.row_major(M2, BP)), st.st.get_tensor(wm.row_major(M2, BP))
+        buf = self.buffers
+        s_pv, s_dy = buf.tensor(st, "pv", wm.row_major(F, BP)), buf.tensor(st, "dy", wm.row_major(F, BP))
+        s_ds, s_st = buf.tensor(st, "ds", wm.row_major(M2, BP)), buf.tensor(st, "st", wm.row_major(M2, BP))
         s_dkq, s_dks, s_dqs = (st.dkq.get_tensor(wm.row_major(F, F)), st.dks.get_tensor(wm.row_major(F, M2)),
                                st.dqs.get_tensor(wm.row_major(F, M2)))
-        s_dkqm, s_dqk = st.dkqm.get_tensor(wm.row_major(F, F)), st.dqk.get_tensor(wm.row_major(F, F))
-        s_qh, s_kh = st.qh.get_tensor(wm.row_major(F, M2)), st.kh.get_tensor(wm.row_major(F, M2))
-        s_q, s_k = st.q.get_tensor(wm.row_major(F, M2)), st.k.get_tensor(wm.row_major(F, M2))
+        s_dkqm, s_dqk = buf.tensor(st, "dkqm", wm.row_major(F, F)), buf.tensor(st, "dqk", wm.row_major(F, F))
+        s_qh, s_kh = buf.tensor(st, "qh", wm.row_major(F, M2)), buf.tensor(st, "kh", wm.row_major(F, M2))
+        s_q, s_k = buf.tensor(st, "q", wm.row_major(F, M2)), buf.tensor(st, "k", wm.row_major(F, M2))
         s_rows, s_red = st.rows.get_tensor(wm.row_major(3, F)), st.red.get_tensor(wm.row_major(1, THREADS))
         s_ang = st.dkq.get_tensor(wm.row_major(F, BJ))   # the angle gradient per (row, pair), once dkq is used
 
@@ -329,11 +358,11 @@ class Key(_Views):
         # dk_hat = er dks + dkq_m q_hat; dq_hat = ea dqs + dkq_m^T k_hat (back into s_dks, s_dqs).
         acc = wm.accumulator(tiled_mma, tid, F, M2)
         wm.from_smem(tiled_mma, tid, acc, s_dks)
-        wm.mma_ss(tiled_mma, tid, acc, s_dkqm, st.qh.get_tensor(wm.col_major(M2, F)), False, True, dt)
+        wm.mma_ss(tiled_mma, tid, acc, s_dkqm, buf.tensor(st, "qh", wm.col_major(M2, F)), False, True, dt)
         acc2 = wm.accumulator(tiled_mma, tid, F, M2)
         wm.from_smem(tiled_mma, tid, acc2, s_dqs)
-        wm.mma_ss(tiled_mma, tid, acc2, st.dkqm.get_tensor(wm.col_major(F, F)), st.kh.get_tensor(wm.col_major(M2, F)),
-               True, True, dt)
+        wm.mma_ss(tiled_mma, tid, acc2, buf.tensor(st, "dkqm", wm.col_major(F, F)),
+                  buf.tensor(st, "kh", wm.col_major(M2, F)), True, True, dt)
         cute.arch.sync_threads()   # every thread has read s_dks, s_dqs
         wm.to_smem(tiled_mma, tid, acc, s_dks)
         wm.to_smem(tiled_mma, tid, acc2, s_dqs)
@@ -365,12 +394,12 @@ class Key(_Views):
             acc3 = wm.accumulator(tiled_mma, tid, F, M2)
             if cutlass.const_expr(which == 0):
                 wm.from_smem(tiled_mma, tid, acc3, s_dks)
-                wm.mma_ss(tiled_mma, tid, acc3, st.dqk.get_tensor(wm.col_major(F, F)), st.q.get_tensor(wm.col_major(M2, F)),
-                       True, True, dt)
+                wm.mma_ss(tiled_mma, tid, acc3, buf.tensor(st, "dqk", wm.col_major(F, F)),
+                          buf.tensor(st, "q", wm.col_major(M2, F)), True, True, dt)
                 dst = cute.make_tensor(mdk.iterator + row0, out_layout)
             else:
                 wm.from_smem(tiled_mma, tid, acc3, s_dqs)
-                wm.mma_ss(tiled_mma, tid, acc3, s_dqk, st.k.get_tensor(wm.col_major(M2, F)), False, True, dt)
+                wm.mma_ss(tiled_mma, tid, acc3, s_dqk, buf.tensor(st, "k", wm.col_major(M2, F)), False, True, dt)
                 dst = cute.make_tensor(mdq.iterator + row0, out_layout)
             part = tiled_mma.get_slice(tid).partition_C(dst)
             for e in cutlass.range_constexpr(cute.size(acc3)):
@@ -424,7 +453,7 @@ class Value(_Views):
              self.chunk_ws(dda_ws, self.NBJ), self.step_head(dv, P), self.per_step(dfactor), self.per_step(dgamma),
              self.per_step(ddda), self.per_step(dda_cs), self.per_step(dda_cs_rev), mssda, mdpsi,
              self.chunk_ws(dd_ws, 1))
-        self.storage = _storage(self.buffers, self.dt)
+        self.storage = self.buffers.storage(self.dt)
         self.kernel(*t, wm.tiled(self.dt)).launch(grid=(nc, H, B), block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
@@ -440,10 +469,12 @@ class Value(_Views):
         F, R, C, N, NH, BP, P, dt = self.F, self.R, self.C, self.N, self.NH, self.BP, self.P, self.dt
         g = h // (self.H // self.G)
         st = cutlass.memory.SmemAllocator().allocate(self.storage)
-        s_kh, s_qh = st.kh.get_tensor(wm.row_major(F, N)), st.qh.get_tensor(wm.row_major(F, N))
+        buf = self.buffers
+        s_kh, s_qh = buf.tensor(st, "kh", wm.row_major(F, N)), buf.tensor(st, "qh", wm.row_major(F, N))
         s_lkq, s_a = st.lkq.get_tensor(wm.row_major(F, F)), st.a.get_tensor(wm.row_major(F, F))
-        s_dy, s_pv = st.dy.get_tensor(wm.row_major(F, BP)), st.pv.get_tensor(wm.row_major(F, BP))
-        s_ds, s_dp = st.ds.get_tensor(wm.row_major(N, BP)), st.dp.get_tensor(wm.row_major(F, BP))
+        s_dy, s_pv = buf.tensor(st, "dy", wm.row_major(F, BP)), buf.tensor(st, "pv", wm.row_major(F, BP))
+        s_ds, s_dp = buf.tensor(st, "ds", wm.row_major(N, BP)), st.dp.get_tensor(wm.row_major(F, BP))
+        s_ds_t, s_dy_t = buf.tensor(st, "ds", wm.col_major(BP, N)), buf.tensor(st, "dy", wm.col_major(BP, F))
         s_diag = st.dp.get_tensor(wm.row_major(F, R))    # dkq's same-step entries, after the P loop
         s_red = st.red.get_tensor(wm.row_major(1, THREADS))
 
@@ -504,12 +535,12 @@ class Value(_Views):
             # dPsiV = er (k_hat dS) + D dy + A dy; er per accumulator row.
             acc = wm.accumulator(tiled_mma, tid, F, BP)
             coord = wm.coords(tiled_mma, tid, F, BP)
-            wm.mma_ss(tiled_mma, tid, acc, s_kh, st.ds.get_tensor(wm.col_major(BP, N)), False, True, dt)
+            wm.mma_ss(tiled_mma, tid, acc, s_kh, s_ds_t, False, True, dt)
             dp_part = tiled_mma.get_slice(tid).partition_C(s_dp)
             for e in cutlass.range_constexpr(cute.size(acc)):
                 f = coord[e][0]
                 acc[e] = acc[e] * cute.math.exp(mdar[c * C + f // R, h, b]) + dp_part[e]
-            wm.mma_ss(tiled_mma, tid, acc, s_a, st.dy.get_tensor(wm.col_major(BP, F)), False, True, dt)
+            wm.mma_ss(tiled_mma, tid, acc, s_a, s_dy_t, False, True, dt)
             wm.mma_ss(tiled_mma, tid, acc_dkq, s_pv, s_dy, False, False, dt)
             cute.arch.sync_threads()   # every thread has read s_dp
             wm.to_smem(tiled_mma, tid, acc, s_dp)

@@ -80,8 +80,8 @@ def smem_kernels(config: dict, shape: dict, target: str) -> dict:
     c = {**DEFAULTS, **config}
     static = static_smem(target)
     return {"scan": scan.smem_bytes(c, shape, target),
-            "key": chunk.layout_bytes(chunk.key_layout(c, shape)) + static,
-            "value": chunk.layout_bytes(chunk.value_layout(c, shape)) + static,
+            "key": chunk.key_layout(c, shape).nbytes() + static,
+            "value": chunk.value_layout(c, shape).nbytes() + static,
             "reduce": static}
 
 
