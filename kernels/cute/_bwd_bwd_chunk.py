@@ -117,13 +117,21 @@ class _Views:
         return d
 
     @cute.jit
-    def gates(self, mdt, mtrap, mdar, s, h, b):
-        """gamma, factor, exp(DA_CS_REV) of step s (fp32)."""
-        gamma = mdt[s, h, b] * sigmoid(mtrap[s, h, b].to(F32))
-        shifted = F32(0.0)
-        if s + 1 < self.S:
-            shifted = mdt[s + 1, h, b] * sigmoid(-mtrap[s + 1, h, b].to(F32))
-        return gamma, gamma + shifted, cute.math.exp(mdar[s, h, b])
+    def gates(self, s_gate, mdt, mtrap, mdar, mda, c, h, b, tid):
+        """Per fused row f of chunk c (step c*C + f/R), into the fp32 table s_gate: gamma, factor,
+        exp(DA_CS_REV) and, when ``mda`` is given, exp(DA_CS) (rows 0-3), so the elementwise passes read
+        one value per row instead of recomputing them per element. Threads f < F (F <= 64 < THREADS)."""
+        if tid < self.F:
+            s = c * self.C + tid // self.R
+            gamma = mdt[s, h, b] * sigmoid(mtrap[s, h, b].to(F32))
+            shifted = F32(0.0)
+            if s + 1 < self.S:
+                shifted = mdt[s + 1, h, b] * sigmoid(-mtrap[s + 1, h, b].to(F32))
+            s_gate[0, tid] = gamma
+            s_gate[1, tid] = gamma + shifted
+            s_gate[2, tid] = cute.math.exp(mdar[s, h, b])
+            if cutlass.const_expr(mda is not None):
+                s_gate[3, tid] = cute.math.exp(mda[s, h, b])
 
     @cute.jit
     def decay(self, mseg, c, h, b, x, y):
@@ -183,7 +191,7 @@ def key_layout(config: dict, shape: dict) -> Buffers:
     return Buffers({"pv": (F, bp, e), "dy": (F, bp, e), "ds": (m2, bp, e), "st": (m2, bp, e),
                     "dkq": (F, F, 4), "dks": (F, m2, 4), "dqs": (F, m2, 4),
                     "dkqm": (F, F, e), "dqk": (F, F, e), "qh": (F, m2, e), "kh": (F, m2, e), "q": (F, m2, e),
-                    "k": (F, m2, e), "rows": (3, F, 4), "red": (1, THREADS, 4)},
+                    "k": (F, m2, e), "rows": (3, F, 4), "red": (1, THREADS, 4), "gate": (4, F, 4)},
                    (("pv", "dy", "ds", "st"), ("dkqm", "dqk", "qh", "kh", "q", "k")))
 
 
@@ -193,7 +201,8 @@ def value_layout(config: dict, shape: dict) -> Buffers:
     F, N, R, e = shape["C"] * shape["R"], shape["N"], shape["R"], 2
     bp = config["BLOCK_P"]
     return Buffers({"kh": (F, N, e), "qh": (F, N, e), "lkq": (F, F, 4), "a": (F, F, e), "dy": (F, bp, e),
-                    "pv": (F, bp, e), "ds": (N, bp, e), "dp": (F, max(bp, R), 4), "red": (1, THREADS, 4)},
+                    "pv": (F, bp, e), "ds": (N, bp, e), "dp": (F, max(bp, R), 4), "red": (1, THREADS, 4),
+                    "gate": (3, F, 4)},
                    (("qh",), ("dy", "pv", "ds")))
 
 
@@ -286,6 +295,8 @@ class Key(_Views):
         s_q, s_k = buf.tensor(st, "q", wm.row_major(F, M2)), buf.tensor(st, "k", wm.row_major(F, M2))
         s_rows, s_red = st.rows.get_tensor(wm.row_major(3, F)), st.red.get_tensor(wm.row_major(1, THREADS))
         s_ang = st.dkq.get_tensor(wm.row_major(F, BJ))   # the angle gradient per (row, pair), once dkq is used
+        s_gate = st.gate.get_tensor(wm.row_major(4, F))
+        self.gates(s_gate, mdt, mtrap, mdar, mda, c, h, b, tid)   # read after the P loop's barriers
 
         acc_dkq = wm.accumulator(tiled_mma, tid, F, F)
         acc_dks = wm.accumulator(tiled_mma, tid, F, M2)
@@ -327,16 +338,14 @@ class Key(_Views):
             s_dkqm[x, y] = (s_dkq[x, y] * self.decay(mseg, c, h, b, x, y)).to(dt)
             same = F32(0.0)
             if x // R == y // R:
-                gamma, _, _ = self.gates(mdt, mtrap, mdar, c * C + x // R, h, b)
-                same = gamma * s_dkq[y, x]
+                same = s_gate[0, x] * s_dkq[y, x]
             s_dqk[x, y] = same.to(dt)
         # Operands of the pairs, and the row sums through dks, dqs; then dks, dqs scaled by er, ea per row.
         for it in cutlass.range(F * BJ // THREADS, unroll=UNROLL):
             idx = it * THREADS + tid
             f, j = idx // BJ, idx % BJ
             r, s = f % R, c * C + f // R
-            _, factor, er = self.gates(mdt, mtrap, mdar, s, h, b)
-            ea = cute.math.exp(mda[s, h, b])
+            factor, er, ea = s_gate[1, f], s_gate[2, f], s_gate[3, f]
             q_lo, q_hi, k_lo, k_hi, cos, sin = self._qk_rot(mq, mk, mqb, mkb, mang, g, h, b, r, s, j0 + j)
             qh_lo, qh_hi = q_lo * cos - q_hi * sin, q_lo * sin + q_hi * cos
             kh_lo = ((k_lo * cos - k_hi * sin) * factor).to(dt)
@@ -373,7 +382,7 @@ class Key(_Views):
             idx = it * THREADS + tid
             f, j = idx // BJ, idx % BJ
             r, s = f % R, c * C + f // R
-            _, factor, _ = self.gates(mdt, mtrap, mdar, s, h, b)
+            factor = s_gate[1, f]
             q_lo, q_hi, k_lo, k_hi, cos, sin = self._qk_rot(mq, mk, mqb, mkb, mang, g, h, b, r, s, j0 + j)
             dkh_lo, dkh_hi, dqh_lo, dqh_hi = s_dks[f, j], s_dks[f, BJ + j], s_dqs[f, j], s_dqs[f, BJ + j]
             kr_lo, kr_hi = k_lo * cos - k_hi * sin, k_lo * sin + k_hi * cos
@@ -477,13 +486,16 @@ class Value(_Views):
         s_ds_t, s_dy_t = buf.tensor(st, "ds", wm.col_major(BP, N)), buf.tensor(st, "dy", wm.col_major(BP, F))
         s_diag = st.dp.get_tensor(wm.row_major(F, R))    # dkq's same-step entries, after the P loop
         s_red = st.red.get_tensor(wm.row_major(1, THREADS))
+        s_gate = st.gate.get_tensor(wm.row_major(3, F))
+        self.gates(s_gate, mdt, mtrap, mdar, None, c, h, b, tid)
+        cute.arch.sync_threads()
 
         # k_hat and q_hat over all of N (natural coordinate order), then lkq = k_hat q_hat^T.
         for it in cutlass.range(F * NH // THREADS, unroll=UNROLL):
             idx = it * THREADS + tid
             f, n = idx // NH, idx % NH
             r, s = f % R, c * C + f // R
-            _, factor, _ = self.gates(mdt, mtrap, mdar, s, h, b)
+            factor = s_gate[1, f]
             q_lo = mq[n, g, r, s, b].to(F32) + mqb[n, r, h]
             q_hi = mq[NH + n, g, r, s, b].to(F32) + mqb[NH + n, r, h]
             k_lo = mk[n, g, r, s, b].to(F32) + mkb[n, r, h]
@@ -506,8 +518,7 @@ class Value(_Views):
             x, y = idx // F, idx % F
             a = s_lkq[x, y] * self.decay(mseg, c, h, b, x, y)
             if x // R == y // R:
-                gamma, _, _ = self.gates(mdt, mtrap, mdar, c * C + y // R, h, b)
-                a = gamma * mqkd[x % R, y % R, c * C + y // R, h, b].to(F32)
+                a = s_gate[0, y] * mqkd[x % R, y % R, c * C + y // R, h, b].to(F32)
             s_a[x, y] = a.to(dt)
 
         dpar = F32(0.0)
@@ -539,7 +550,7 @@ class Value(_Views):
             dp_part = tiled_mma.get_slice(tid).partition_C(s_dp)
             for e in cutlass.range_constexpr(cute.size(acc)):
                 f = coord[e][0]
-                acc[e] = acc[e] * cute.math.exp(mdar[c * C + f // R, h, b]) + dp_part[e]
+                acc[e] = acc[e] * s_gate[2, f] + dp_part[e]
             wm.mma_ss(tiled_mma, tid, acc, s_a, s_dy_t, False, True, dt)
             wm.mma_ss(tiled_mma, tid, acc_dkq, s_pv, s_dy, False, False, dt)
             cute.arch.sync_threads()   # every thread has read s_dp
