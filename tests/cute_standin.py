@@ -451,7 +451,7 @@ def fake_modules():
 
 
 _IMPORTS = ("import cuda.bindings.driver as cuda\n", "import cutlass\n", "import cutlass.cute as cute\n",
-            "from kernels.cute import _warp_mma as wm\n")
+            "from kernels.cute import _warp_mma as wm\n", "from kernels.cute import _bwd_bwd_chunk as chunk\n")
 
 
 def _emulate(path: Path, names: dict) -> dict:
@@ -472,8 +472,9 @@ def emulated() -> dict:
                                   if not k.startswith("__")})
     wm.mma_ss = mma_ss
     names["wm"] = wm
-    return {"scan": _emulate(folder / "_bwd_bwd_scan.py", names),
-            "chunk": _emulate(folder / "_bwd_bwd_chunk.py", names)}
+    chunk = _emulate(folder / "_bwd_bwd_chunk.py", names)
+    names["chunk"] = types.SimpleNamespace(**{k: v for k, v in chunk.items() if not k.startswith("__")})
+    return {"scan": _emulate(folder / "_bwd_bwd_scan.py", names), "chunk": chunk}
 
 
 def run_lane(config: dict, shape: dict, inputs: dict, outputs: dict, modules: dict | None = None) -> list[str]:

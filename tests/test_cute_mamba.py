@@ -111,14 +111,14 @@ def test_kernel_bodies_match_the_reference(shape, config):
 
 
 def _flip_factor(ns):
-    good = ns["chunk"]["_Views"].gates
+    good = ns["chunk"]["Views"].gates
 
     def bad(self, s_gate, *args):   # the per-row table with the factor's sign flipped
         good(self, s_gate, *args)
         tid = args[-1]
         if tid < self.F:
             s_gate[1, tid] = -s_gate[1, tid]
-    ns["chunk"]["_Views"].gates = bad
+    ns["chunk"]["Views"].gates = bad
     return "DV"
 
 

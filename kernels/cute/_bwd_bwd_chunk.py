@@ -49,11 +49,11 @@ def sigmoid(x):
     return F32(1.0) / (F32(1.0) + cute.math.exp(-x))
 
 
-class _Views:
+class Views:
     """Global tensors of the boundary and the workspaces, coordinates innermost first (row-major
-    strides), shared by both chunk kernels."""
+    strides), and the per-element reads the kernels share (the scan's too)."""
 
-    def __init__(self, shape: dict, nbj: int):
+    def __init__(self, shape: dict, nbj: int = 1):
         B, S, H, G, N, P, R, C, nc, nr = m3.dims(shape)
         self.B, self.S, self.H, self.G, self.N, self.P, self.R, self.C, self.nc, self.nr = B, S, H, G, N, P, R, C, nc, nr
         self.F, self.NH, self.NBJ = C * R, N // 2, nbj
@@ -115,6 +115,19 @@ class _Views:
             zz = mz[p, h, s, b].to(F32) * mzeta[p, r, h]
             d = d * zz * sigmoid(zz)
         return d
+
+    @cute.jit
+    def qk_rot(self, mq, mk, mqb, mkb, mang, g, h, b, r, s, n):
+        """Biased q, k (fp32) at coordinates n (lo) and N/2 + n (hi), and cos, sin of the pair's angle."""
+        NH = self.NH
+        q_lo = mq[n, g, r, s, b].to(F32) + mqb[n, r, h]
+        q_hi = mq[NH + n, g, r, s, b].to(F32) + mqb[NH + n, r, h]
+        k_lo = mk[n, g, r, s, b].to(F32) + mkb[n, r, h]
+        k_hi = mk[NH + n, g, r, s, b].to(F32) + mkb[NH + n, r, h]
+        theta = F32(0.0)
+        if n < self.nr:
+            theta = mang[n, h, s, b]
+        return q_lo, q_hi, k_lo, k_hi, cute.math.cos(theta), cute.math.sin(theta)
 
     @cute.jit
     def gates(self, s_gate, mdt, mtrap, mdar, mda, c, h, b, tid):
@@ -227,7 +240,7 @@ def _row_sum(x, width: int):
     return x
 
 
-class Key(_Views):
+class Key(Views):
     def __init__(self, config: dict, shape: dict):
         super().__init__(shape, shape["N"] // 2 // config["KEY_BJ"])
         self.BJ, self.BP = config["KEY_BJ"], config["KEY_BP"]
@@ -257,19 +270,6 @@ class Key(_Views):
     def _col(self, j0, m):
         """State coordinate n of column m of an M2-wide tile (the pairs' two halves side by side)."""
         return j0 + m % self.BJ + (m // self.BJ) * self.NH
-
-    @cute.jit
-    def _qk_rot(self, mq, mk, mqb, mkb, mang, g, h, b, r, s, n):
-        """Biased q, k (fp32) at coordinates n (lo) and N/2 + n (hi), and cos, sin of the pair's angle."""
-        NH = self.NH
-        q_lo = mq[n, g, r, s, b].to(F32) + mqb[n, r, h]
-        q_hi = mq[NH + n, g, r, s, b].to(F32) + mqb[NH + n, r, h]
-        k_lo = mk[n, g, r, s, b].to(F32) + mkb[n, r, h]
-        k_hi = mk[NH + n, g, r, s, b].to(F32) + mkb[NH + n, r, h]
-        theta = F32(0.0)
-        if n < self.nr:
-            theta = mang[n, h, s, b]
-        return q_lo, q_hi, k_lo, k_hi, cute.math.cos(theta), cute.math.sin(theta)
 
     @cute.kernel
     def kernel(self, mq: cute.Tensor, mk: cute.Tensor, mqb: cute.Tensor, mkb: cute.Tensor, mv: cute.Tensor,
@@ -346,7 +346,7 @@ class Key(_Views):
             f, j = idx // BJ, idx % BJ
             r, s = f % R, c * C + f // R
             factor, er, ea = s_gate[1, f], s_gate[2, f], s_gate[3, f]
-            q_lo, q_hi, k_lo, k_hi, cos, sin = self._qk_rot(mq, mk, mqb, mkb, mang, g, h, b, r, s, j0 + j)
+            q_lo, q_hi, k_lo, k_hi, cos, sin = self.qk_rot(mq, mk, mqb, mkb, mang, g, h, b, r, s, j0 + j)
             qh_lo, qh_hi = q_lo * cos - q_hi * sin, q_lo * sin + q_hi * cos
             kh_lo = ((k_lo * cos - k_hi * sin) * factor).to(dt)
             kh_hi = ((k_lo * sin + k_hi * cos) * factor).to(dt)
@@ -383,7 +383,7 @@ class Key(_Views):
             f, j = idx // BJ, idx % BJ
             r, s = f % R, c * C + f // R
             factor = s_gate[1, f]
-            q_lo, q_hi, k_lo, k_hi, cos, sin = self._qk_rot(mq, mk, mqb, mkb, mang, g, h, b, r, s, j0 + j)
+            q_lo, q_hi, k_lo, k_hi, cos, sin = self.qk_rot(mq, mk, mqb, mkb, mang, g, h, b, r, s, j0 + j)
             dkh_lo, dkh_hi, dqh_lo, dqh_hi = s_dks[f, j], s_dks[f, BJ + j], s_dqs[f, j], s_dqs[f, BJ + j]
             kr_lo, kr_hi = k_lo * cos - k_hi * sin, k_lo * sin + k_hi * cos
             rot = _row_sum(kr_lo * dkh_lo + kr_hi * dkh_hi, BJ)
@@ -435,7 +435,7 @@ class Key(_Views):
 # value side
 
 
-class Value(_Views):
+class Value(Views):
     def __init__(self, config: dict, shape: dict):
         super().__init__(shape, shape["N"] // 2 // config["KEY_BJ"])
         self.BP = config["BLOCK_P"]
@@ -496,14 +496,7 @@ class Value(_Views):
             f, n = idx // NH, idx % NH
             r, s = f % R, c * C + f // R
             factor = s_gate[1, f]
-            q_lo = mq[n, g, r, s, b].to(F32) + mqb[n, r, h]
-            q_hi = mq[NH + n, g, r, s, b].to(F32) + mqb[NH + n, r, h]
-            k_lo = mk[n, g, r, s, b].to(F32) + mkb[n, r, h]
-            k_hi = mk[NH + n, g, r, s, b].to(F32) + mkb[NH + n, r, h]
-            theta = F32(0.0)
-            if n < self.nr:
-                theta = mang[n, h, s, b]
-            cos, sin = cute.math.cos(theta), cute.math.sin(theta)
+            q_lo, q_hi, k_lo, k_hi, cos, sin = self.qk_rot(mq, mk, mqb, mkb, mang, g, h, b, r, s, n)
             s_qh[f, n], s_qh[f, NH + n] = (q_lo * cos - q_hi * sin).to(dt), (q_lo * sin + q_hi * cos).to(dt)
             s_kh[f, n] = ((k_lo * cos - k_hi * sin) * factor).to(dt)
             s_kh[f, NH + n] = ((k_lo * sin + k_hi * cos) * factor).to(dt)

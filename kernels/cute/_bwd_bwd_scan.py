@@ -25,6 +25,7 @@ import cutlass
 import cutlass.cute as cute
 
 from kernels.cute import _aot
+from kernels.cute import _bwd_bwd_chunk as chunk
 from kernels.cute import _warp_mma as wm
 from kernels.cute.gemm import static_smem
 from lab.problems import _mamba3 as m3
@@ -59,36 +60,19 @@ def smem_bytes(config: dict, shape: dict, target: str) -> int:
     return 2 * F * (2 * config["SCAN_BJ"] + config["SCAN_BP"]) + static_smem(target)
 
 
-class Scan:
+class Scan(chunk.Views):
     def __init__(self, config: dict, shape: dict):
-        B, S, H, G, N, P, R, C, nc, nr = m3.dims(shape)
-        self.B, self.S, self.H, self.G, self.N, self.P, self.R, self.C, self.nc, self.nr = B, S, H, G, N, P, R, C, nc, nr
-        self.F, self.NH = C * R, N // 2
+        super().__init__(shape)
         self.BJ, self.BP = config["SCAN_BJ"], config["SCAN_BP"]
         self.M = 2 * self.BJ
-        self.dt = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[shape["dtype"]]
-        self.has_z, self.reduce_o = bool(shape["hasZ"]), bool(shape["reduceO"])
 
     @cute.jit
     def __call__(self, q: cute.Pointer, qb: cute.Pointer, ang: cute.Pointer, da: cute.Pointer,
                  dout: cute.Pointer, phi: cute.Pointer, z: cute.Pointer, zeta: cute.Pointer,
                  ds: cute.Pointer, stream: cuda.CUstream):
-        B, S, H, G, N, P, R, nr, nc = self.B, self.S, self.H, self.G, self.N, self.P, self.R, self.nr, self.nc
-        # Coordinates innermost first; strides of the row-major tensors of the boundary.
-        mq = cute.make_tensor(q, cute.make_layout((N, G, R, S, B), stride=(1, N, G * N, R * G * N, S * R * G * N)))
-        mqb = cute.make_tensor(qb, cute.make_layout((N, R, H), stride=(1, N, R * N)))
-        mang = cute.make_tensor(ang, cute.make_layout((nr, H, S, B), stride=(1, nr, H * nr, S * H * nr)))
-        mda = cute.make_tensor(da, cute.make_layout((S, H, B), stride=(1, S, H * S)))
-        if cutlass.const_expr(self.reduce_o):
-            mdo = cute.make_tensor(dout, cute.make_layout((P, H, S, B), stride=(1, P, H * P, S * H * P)))
-        else:
-            mdo = cute.make_tensor(dout, cute.make_layout((P, H, R, S, B),
-                                                          stride=(1, P, H * P, R * H * P, S * R * H * P)))
-        mphi = cute.make_tensor(phi, cute.make_layout((P, R, H), stride=(1, P, R * P)))
-        mz = cute.make_tensor(z, cute.make_layout((P, H, S, B), stride=(1, P, H * P, S * H * P)))
-        mzeta = cute.make_tensor(zeta, cute.make_layout((P, R, H), stride=(1, P, R * P)))
-        mds = cute.make_tensor(ds, cute.make_layout((P, N, nc, H, B), stride=(1, P, N * P, nc * N * P, H * nc * N * P)))
-
+        P = self.P
+        t = (self.qk(q), self.per_rank(qb, self.N), self.step_head(ang, self.nr), self.per_step(da), self.dout(dout),
+             self.per_rank(phi, P), self.step_head(z, P), self.per_rank(zeta, P), self.state(ds))
         tiled_mma = wm.tiled(self.dt)
         a_layout = cute.make_layout((self.M, self.F), stride=(1, self.M))      # q_hat^T, M-major
         b_layout = cute.make_layout((self.BP, self.F), stride=(1, self.BP))    # dy as (N, K), N-major
@@ -99,8 +83,8 @@ class Scan:
             sB: cute.struct.Align[cute.struct.MemRange[self.dt, cute.cosize(b_layout)], 128]
 
         self.storage = Storage
-        grid = ((self.NH // self.BJ) * (P // self.BP), H, B)
-        self.kernel(mq, mqb, mang, mda, mdo, mphi, mz, mzeta, mds, tiled_mma, a_layout, b_layout).launch(
+        grid = ((self.NH // self.BJ) * (P // self.BP), self.H, self.B)
+        self.kernel(*t, tiled_mma, a_layout, b_layout).launch(
             grid=grid, block=[THREADS, 1, 1], stream=stream)
 
     def _element(self, it, tid, width: int, c):
@@ -156,14 +140,7 @@ class Scan:
             for it in cutlass.range(F * BP // THREADS, unroll=UNROLL):
                 f, p, r, s = self._element(it, tid, BP, c)
                 pp = p0 + p
-                d = F32(0.0)
-                if cutlass.const_expr(self.reduce_o):
-                    d = mdo[pp, h, s, b].to(F32) * mphi[pp, r, h]
-                else:
-                    d = mdo[pp, h, r, s, b].to(F32)
-                if cutlass.const_expr(self.has_z):
-                    zz = mz[pp, h, s, b].to(F32) * mzeta[pp, r, h]
-                    d = d * zz / (F32(1.0) + cute.math.exp(-zz))
+                d = self.dy(mdo, mphi, mz, mzeta, pp, h, r, s, b)
                 sB[p, f] = (d * cute.math.exp(mda[s, h, b])).to(self.dt)
             cute.arch.sync_threads()
             acc.store(acc.load() * a_last)
