@@ -23,9 +23,9 @@ GB10_LIMIT = 101_376
 TARGETS = ("sm_90a", "sm_121a")
 NAMED = list(space.load_shapes("mamba_bwd_bwd")[0])
 SPACE = space.load_space("mamba_bwd_bwd", "triton", lane.TUNABLES)
-# A config of the sweep space with the largest value-side tiles (VALUE_BJ = 32 at C*R = 64) that takes
-# estimate branches the seeds do not: a 4-warp value side (no N split on sm_90a), KEY_BJ = 32, three scan
-# stages, two chunk stages. _fit cuts the blocks to the shape.
+# A config of the sweep space with the largest tiles (VALUE_BJ = 32 at C*R = 64) that takes estimate
+# branches the seeds do not: KEY_BJ = 32, three scan stages, two chunk stages, a 4-warp value side.
+# _fit cuts the blocks to the shape.
 NEAR_GB10 = {"SCAN_BJ": 32, "SCAN_BP": 64, "scan_warps": 4, "scan_stages": 3, "KEY_BJ": 32, "KEY_BP": 16,
              "key_warps": 8, "VALUE_BJ": 32, "BLOCK_P": 32, "chunk_warps": 4, "chunk_stages": 2}
 
@@ -115,11 +115,9 @@ def test_the_values_that_failed_on_the_gpu_are_refused(knob, bad, good):
 
 
 def _fit(config: dict, shape: dict) -> dict:
-    """Blocks no larger than N/2, and VALUE_BJ below N/2 where N allows (one-step N loops on the value
-    side are estimated by an upper bound only)."""
+    """Blocks no larger than N/2."""
     nh = shape["N"] // 2
-    return {**config, "SCAN_BJ": min(config["SCAN_BJ"], nh), "KEY_BJ": min(config["KEY_BJ"], nh),
-            "VALUE_BJ": max(16, min(config["VALUE_BJ"], nh // 2))}
+    return {**config, **{k: min(config[k], nh) for k in ("SCAN_BJ", "KEY_BJ", "VALUE_BJ")}}
 
 
 def _check_estimate(config: dict, shape: dict, target: str, res: dict):
@@ -158,14 +156,18 @@ _DEFAULT_CASES = {("h100_tuned", "sm_121a", "seed0"), ("anchor_b2", "sm_121a", "
 def test_smem_estimate_equals_the_compiler(shape, target, which, compiled):
     """Issue 22: the preflight's estimate is the compiler's figure (compile_for, Triton AOT) at every
     named shape for sm_90a and sm_121a: the sweep's seeds, and a config close to GB10's limit that
-    compiles within it. At N = 32 (VALUE_BJ = N/2 is the only choice) the estimate is an upper bound."""
+    compiles within it. Where the value side gives the largest figure, it is an upper bound."""
     sh = space.get_shape("mamba_bwd_bwd", shape)
     config = _config(which, sh)
     assert lane.config_reason(config, sh) is None and SPACE.rule_reason(config) is None
     res = compiled(lane, config, sh, target)
     _check_estimate(config, sh, target, res)
     est = lane.smem_kernels(config, sh, target)
-    assert sh["N"] == 32 or not lane.smem_inexact(config, sh, target) & {max(est, key=est.get)}, (config, est)
+    top = max(est, key=est.get)
+    # The documented bounds (smem_estimate): the value side's, and the scan's where its dS / dy
+    # conversion outweighs the q_hat^T operand (SCAN_BP = 64 at grid_n128_p128_r4_c8).
+    allowed = {"value"} | ({"scan"} if shape == "grid_n128_p128_r4_c8" and config["SCAN_BP"] >= 64 else set())
+    assert top in allowed or top not in lane.smem_inexact(config, sh, target), (config, est)
     if which == "near_gb10":
         assert res["smem_bytes"] <= GB10_LIMIT, res
 
@@ -182,3 +184,15 @@ def test_smem_estimate_on_random_configs(target, compiled):
             picked.append(config)
     for config in picked:
         _check_estimate(config, sh, target, compiled(lane, config, sh, target))
+
+
+def test_the_value_sides_bound_never_decides_feasibility():
+    """The value side's figure is an upper bound; the preflight rejects on the estimate before it
+    compiles, so that bound (a function of C*R, VALUE_BJ and BLOCK_P) must stay under GB10's limit
+    for every value-side tile of the sweep space at every named shape: the compile then decides."""
+    for name in NAMED:
+        sh = space.get_shape("mamba_bwd_bwd", name)
+        for bj, bp in itertools.product(SPACE.params["VALUE_BJ"], SPACE.params["BLOCK_P"]):
+            config = {**lane.DEFAULTS, "VALUE_BJ": bj, "BLOCK_P": bp}
+            if lane.config_reason(config, sh) is None:
+                assert lane.smem_kernels(config, sh, "sm_121a")["value"] <= GB10_LIMIT, (name, config)

@@ -13,8 +13,11 @@ Four kernels (the model and the output definitions are in lab/problems/_mamba3.p
    the row sums over N (DDA_CS_REV, DFACTOR, DDA_CS) and of sum(STATES * dS) (DDA) to a workspace.
    Splitting N across programs is what keeps the state-gradient products in registers: one program
    per chunk holding all of N spills thousands of bytes per thread (sm_90a ptxas, 255 registers).
+   It also writes q_hat and k_hat (its columns, input dtype) to a workspace [B, H, nc, C*R, N] for (3):
+   2 B H S R N elements, 512 MiB in bf16 at the training shape.
 3. ``_chunk_v``: grid (nc, H, B): the value side. k_hat q_hat^T over all of N, then P in BLOCK_P
-   columns: dPsiV (DV, the DMIMO_V and DD partials) and PsiV dy^T; then DSSDA, DGAMMA_DIAG, and the
+   columns: dPsiV (DV, the DMIMO_V and DD partials) and PsiV dy^T, reading q_hat and k_hat as the key
+   side wrote them (no rotary recomputed per P step); then DSSDA, DGAMMA_DIAG, and the
    sums of the key side's workspace (DDA, DDA_CS, DDA_CS_REV, DFACTOR). The same-step R x R terms (QK_DOT
    into dPsiV, dqk into DK and DQ) are block-diagonal F x F operands of tensor-core products.
 4. ``_reduce``: grid (H, B): DMIMO_V and DD summed over chunks (deterministic, no atomics).
@@ -199,7 +202,7 @@ def _qk_rot(Q, K, QB, KB, ANG, b, h, g, r, s, row, jj, S, H, G, N: tl.constexpr,
 
 @triton.jit
 def _chunk_k(Q, K, QB, KB, V, PSI, ANG, DA, DAR, DT, TRAP, SEG, DOUT, PHI, Z, ZETA, STATES, DS,
-             DQ, DK, DANG, ROW_WS, DDA_WS, S, H, G, NC,
+             DQ, DK, DANG, ROW_WS, DDA_WS, QH, KH, S, H, G, NC,
              N: tl.constexpr, P: tl.constexpr, R: tl.constexpr, C: tl.constexpr, NR: tl.constexpr,
              BJ: tl.constexpr, BP: tl.constexpr, HAS_Z: tl.constexpr, REDUCE_O: tl.constexpr,
              STAGES: tl.constexpr):
@@ -251,6 +254,11 @@ def _chunk_k(Q, K, QB, KB, V, PSI, ANG, DA, DAR, DT, TRAP, SEG, DOUT, PHI, Z, ZE
     qh_lo, qh_hi = _rot(q_lo, q_hi, cos, sin)
     kr_lo, kr_hi = _rot(k_lo, k_hi, cos, sin)
     kh_lo, kh_hi = (kr_lo * factor[:, None]).to(dt), (kr_hi * factor[:, None]).to(dt)
+    hb = ((bh * NC + c) * F + f[:, None]) * N + jj[None, :]
+    tl.store(KH + hb, kh_lo)
+    tl.store(KH + hb + NH, kh_hi)
+    tl.store(QH + hb, qh_lo.to(dt))
+    tl.store(QH + hb + NH, qh_hi.to(dt))
 
     # Row sums over this program's pairs, [3, C] per (chunk, pair block): DDA_CS_REV, DFACTOR, DDA_CS.
     ws = ROW_WS + ((bh * NC + c) * NBJ + jb) * 3 * C + tl.arange(0, C)
@@ -286,7 +294,7 @@ def _chunk_k(Q, K, QB, KB, V, PSI, ANG, DA, DAR, DT, TRAP, SEG, DOUT, PHI, Z, ZE
 
 
 @triton.jit
-def _chunk_v(Q, K, QB, KB, V, PSI, ANG, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, ZETA, DPARAM, DS,
+def _chunk_v(QH, KH, V, PSI, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, ZETA, DPARAM, DS,
              ROW_WS, DDA_WS, DV, DFACTOR, DGAMMA, DDA, DDA_CS, DDA_CS_REV, DSSDA, DPSI_WS, DD_WS,
              S, H, G, NC,
              N: tl.constexpr, P: tl.constexpr, R: tl.constexpr, C: tl.constexpr, NR: tl.constexpr,
@@ -297,13 +305,12 @@ def _chunk_v(Q, K, QB, KB, V, PSI, ANG, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, Z
     F: tl.constexpr = C * R
     NH: tl.constexpr = N // 2
     c, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    g = h // (H // G)
-    dt = Q.dtype.element_ty
+    dt = QH.dtype.element_ty
     f = tl.arange(0, F)
     t, r = f // R, f % R
     s = c * C + t
     bh = b * H + h
-    row = b * S * R + c * F + f
+    hrow = ((bh * NC + c) * F + f[:, None]) * N
     gamma, factor, er = _gates(DT, TRAP, DAR, bh, s, S)
     decay, same = _decay(SEG, bh, c, t, NC, C, R, F)
     # Same-step q.k products (biased, before rotary): QKD[(t, o), (t, i)] on the diagonal blocks.
@@ -311,12 +318,9 @@ def _chunk_v(Q, K, QB, KB, V, PSI, ANG, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, Z
     diag_t = tl.trans(tl.load(qkd_at, mask=same, other=0.0).to(tl.float32) * gamma[:, None]).to(dt)
     lkq = tl.zeros((F, F), dtype=tl.float32)           # k_hat_s . q_hat_t, over N in BJ pairs at a time
     for j0 in tl.range(0, NH, BJ):
-        jj = j0 + tl.arange(0, BJ)
-        q_lo, q_hi, k_lo, k_hi, cos, sin = _qk_rot(Q, K, QB, KB, ANG, b, h, g, r, s, row, jj, S, H, G, N, R, NR)
-        qh_lo, qh_hi = _rot(q_lo, q_hi, cos, sin)
-        kr_lo, kr_hi = _rot(k_lo, k_hi, cos, sin)
-        lkq += tl.dot((kr_lo * factor[:, None]).to(dt), tl.trans(qh_lo.to(dt)))
-        lkq += tl.dot((kr_hi * factor[:, None]).to(dt), tl.trans(qh_hi.to(dt)))
+        hb = hrow + j0 + tl.arange(0, BJ)[None, :]
+        lkq += tl.dot(tl.load(KH + hb), tl.trans(tl.load(QH + hb)))
+        lkq += tl.dot(tl.load(KH + hb + NH), tl.trans(tl.load(QH + hb + NH)))
     lkq_m = (lkq * decay).to(dt)
 
     dkq = tl.zeros((F, F), dtype=tl.float32)            # PsiV_s . dy_t
@@ -335,11 +339,10 @@ def _chunk_v(Q, K, QB, KB, V, PSI, ANG, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, Z
         khds = tl.zeros((F, BP), dtype=tl.float32)
         for j0 in tl.range(0, NH, BJ):
             jj = j0 + tl.arange(0, BJ)
-            _, _, k_lo, k_hi, cos, sin = _qk_rot(Q, K, QB, KB, ANG, b, h, g, r, s, row, jj, S, H, G, N, R, NR)
-            kr_lo, kr_hi = _rot(k_lo, k_hi, cos, sin)
+            hb = hrow + jj[None, :]
             cell = (bh * NC + c) * N * P + jj[:, None] * P + pp[None, :]
-            khds += tl.dot((kr_lo * factor[:, None]).to(dt), tl.load(DS + cell))
-            khds += tl.dot((kr_hi * factor[:, None]).to(dt), tl.load(DS + cell + NH * P))
+            khds += tl.dot(tl.load(KH + hb), tl.load(DS + cell))
+            khds += tl.dot(tl.load(KH + hb + NH), tl.load(DS + cell + NH * P))
         dpsiv = er[:, None] * khds + tl.dot(lkq_m, dy16) + tl.dot(diag_t, dy16)
         if HAS_D:
             dpsiv += dpar * dy
@@ -431,7 +434,9 @@ def build(config: dict, shape: dict):
             f32 = {"dtype": torch.float32, "device": dev}
             work.update(dev=dev, ds=torch.empty(B, H, nc, N, P, dtype=i["Q"].dtype, device=dev),
                         dda=torch.empty(B, H, nc, nbj, **f32), rows=torch.empty(B, H, nc, nbj, 3, C, **f32),
-                        dpsi=torch.empty(B, H, nc, R, P, **f32), dd=torch.empty(B, H, nc, **f32))
+                        dpsi=torch.empty(B, H, nc, R, P, **f32), dd=torch.empty(B, H, nc, **f32),
+                        qh=torch.empty(B, H, nc, C * R, N, dtype=i["Q"].dtype, device=dev),
+                        kh=torch.empty(B, H, nc, C * R, N, dtype=i["Q"].dtype, device=dev))
         w = work
         dummy = i["Q"]
         z, zeta = (i["Z"], i["MIMO_Z"]) if shape["hasZ"] else (dummy, i["MIMO_V"])
@@ -442,9 +447,10 @@ def build(config: dict, shape: dict):
         _chunk_k[(nc * nbj, H, B)](
             i["Q"], i["K"], i["Q_BIAS"], i["K_BIAS"], i["V"], i["MIMO_V"], i["ANGLES"], i["DA_CS"], i["DA_CS_REV"],
             i["DT"], i["TRAP"], i["SEGSUM"], i["DOUT"], i["MIMO_O"], z, zeta, i["STATES"], w["ds"],
-            o["DQ"], o["DK"], o["DANGLES"], w["rows"], w["dda"], S, H, G, nc, num_warps=warps["key"], **kc["key"])
+            o["DQ"], o["DK"], o["DANGLES"], w["rows"], w["dda"], w["qh"], w["kh"], S, H, G, nc,
+            num_warps=warps["key"], **kc["key"])
         kern = _chunk_v[(nc, H, B)](
-            i["Q"], i["K"], i["Q_BIAS"], i["K_BIAS"], i["V"], i["MIMO_V"], i["ANGLES"], i["DA_CS_REV"],
+            w["qh"], w["kh"], i["V"], i["MIMO_V"], i["DA_CS_REV"],
             i["DT"], i["TRAP"], i["QK_DOT"], i["SEGSUM"], i["DOUT"], i["MIMO_O"], z, zeta, dpar, w["ds"],
             w["rows"], w["dda"], o["DV"], o["DFACTOR"], o["DGAMMA_DIAG"], o["DDA"], o["DDA_CS"], o["DDA_CS_REV"],
             o["DSSDA"], w["dpsi"], w["dd"], S, H, G, nc, num_warps=warps["value"], **kc["value"])
@@ -490,7 +496,8 @@ def smem_kernels(config: dict, shape: dict, target: str) -> dict:
     # Key side, after its P loop: dqk [F, F] (e) lives to the end. Peak one: dkq_m's conversion to the
     # transposed product's layout (e F F). Peak two: the fp32 [F, KEY_BJ] conversions of the rotary
     # halves (4 F BJ). On wgmma the B operands k_hat lo / hi [F, BJ] (e each) stay in shared memory
-    # from their product to their last use and q_hat's operand (e F BJ) comes and goes; when the warps
+    # from their product to their last use and q_hat's operand (e F BJ) comes and goes, or the four
+    # e-byte [F, BJ] tiles of q_hat and k_hat stored for the value side are staged; when the warps
     # split N, dkq_m [F, F] (e) is staged for its products too and fp32 [F, BJ] accumulators change
     # layout. At C*R = 16 the P loop's buffers come into play: an upper bound, with all of them.
     bj, w = c["KEY_BJ"], c["key_warps"]
@@ -498,27 +505,21 @@ def smem_kernels(config: dict, shape: dict, target: str) -> dict:
     if on:
         key = max((4 + 2 * split) * F * F,
                   (2 + 2 * split) * F * F + 2 * e * F * bj
-                  + max(4 * F * bj, e * F * bj + split * mma_cvt(4 * F * bj, w)))
+                  + max(4 * F * bj, e * F * bj + split * mma_cvt(4 * F * bj, w), 4 * e * F * bj))
     elif F >= 32:
         key = max(4 * F * F, 2 * F * F + 4 * F * bj)
     else:
         key = 4 * F * F + 4 * F * bj + (c["chunk_stages"] - 1) * 3 * 4 * R * c["KEY_BP"]
 
-    # Value side. diag_t [F, F] (e) is held for the P loop when that loop has more than one step.
-    # Its first N loop: five fp32 [F, VALUE_BJ] loads (q, k biases lo / hi, angles) double-buffered
-    # by cp.async (the loop takes the kernel's default num_stages = 3), one e-byte [F, BJ] operand
-    # staged at a time, and with wgmma split over N the lkq accumulator's layout conversion. Its N
-    # loop inside the P loop (wgmma split over N only; otherwise it stays below the first): three
-    # such loads, lkq_m [F, F] and dy [F, BP] staged as operands, the k_hat operand [F, BJ] or the
-    # khds accumulator's conversion, and the dS operand [BJ, BP]. With VALUE_BJ = N/2 the N loops
-    # take one step and this is an upper bound (smem_inexact).
-    bj, bp, w = c["VALUE_BJ"], c["BLOCK_P"], c["chunk_warps"]
-    on, split = wgmma(F, w)
-    diag = e * F * F * (P > bp)
-    value = diag + 10 * 4 * F * bj + e * F * bj + split * mma_cvt(4 * F * F, w)
-    if split:
-        value = max(value, diag + e * F * F + 6 * 4 * F * bj + e * F * bp
-                    + max(e * F * bj, mma_cvt(4 * F * bp, w)) + e * bj * bp)
+    # Value side: an upper bound (smem_inexact). It loads q_hat / k_hat as the key side wrote them
+    # (bf16 / fp16 loads: no cp.async buffers), so what it stages is operands and layout-conversion
+    # scratch whose lifetimes Triton's allocator overlaps differently per warp count and shape: at
+    # most the fp32 [F, F] accumulator's conversion (twice on sm_90a, where lkq and dkq change
+    # wgmma layouts), the [F, VALUE_BJ] and [F, BLOCK_P] operands and two [VALUE_BJ, BLOCK_P] dS
+    # tiles. Checked against 537 AOT compiles (C*R = 16 to 128, both targets, every value-side
+    # tunable): compiled / bound 0.46-0.78 at worst per C*R and target.
+    bj, bp = c["VALUE_BJ"], c["BLOCK_P"]
+    value = 4 * F * F * (1 + sm90) + e * F * (bj + bp) + 2 * e * bj * bp
 
     return {"scan": scan, "key": key, "value": value, "reduce": 0}   # reduce: registers only
 
@@ -535,10 +536,7 @@ def smem_inexact(config: dict, shape: dict, target: str) -> set:
         out.add("scan")           # a layout conversion's scratch (rounds per warp count) decides
     if F < 32 or c["KEY_BP"] == shape["P"]:
         out.add("key")            # C*R = 16: the P loop's buffers decide; one P step: its layouts change
-    if F * F < 32 * c["chunk_warps"] and shape["P"] > c["BLOCK_P"]:
-        out.add("value")          # diag_t has fewer values than threads: kept in registers (2 F F less)
-    if c["VALUE_BJ"] == shape["N"] // 2:
-        out.add("value")          # one-step N loops: no cp.async buffers there, the P loop decides
+    out.add("value")              # always: smem_kernels bounds it from above
     return out
 
 
@@ -549,18 +547,18 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
     time; sm_90a's warpgroup MMA, taken for products of 64 or 128 rows, reads B from shared memory,
     and A too when its warps split N), and layout-conversion scratch (terms in smem_kernels).
 
-    Equal to the compiler for sm_90a and sm_121a (tests/test_triton_mamba.py; probed over every tunable
-    at C*R = 16, 32 and 64, spot-checked at 128) except where smem_inexact names a kernel; its figure
-    is then an upper bound: the value side when VALUE_BJ = N/2 (its N loops take one step, so the
-    five cp.async buffers are gone and the P loop's buffers and layout conversions decide: measured
-    8-47 KB against the bound's 24-94 KB), or at C*R = 16 with 16 warps and several P steps (512 B
-    high); the scan at scan_stages = 1 or where its dS / dy layout conversion outweighs the q_hat^T
-    operand (that scratch depends on how many rounds the conversion takes: up to 6 KB high with 2+
-    stages, 14 KB with one); the key side at C*R = 16 or KEY_BP = P. The largest figure is exact
-    whenever the kernel that gives it is exact. At the named shapes that leaves VALUE_BJ = N/2 (every
-    config at grid_n32_p64_r4_c16, VALUE_BJ = 32 at the N = 64 shapes) and scan-bound configs at
-    grid_n128_p128_r4_c8 (SCAN_BP >= 64). Not modelled: C*R >= 256 (over every device's limit), and
-    C*R = 128 with chunk_warps = 4, which does not compile (Triton 3.6 layout error)."""
+    The scan's and the key side's figures equal the compiler's for sm_90a and sm_121a
+    (tests/test_triton_mamba.py; probed over every tunable at C*R = 16, 32 and 64, spot-checked at
+    128) except where smem_inexact names them: the scan at scan_stages = 1 or where its dS / dy layout
+    conversion outweighs the q_hat^T operand (that scratch depends on how many rounds the conversion
+    takes: up to 6 KB high with 2+ stages, 14 KB with one); the key side at C*R = 16 or KEY_BP = P.
+    At the named shapes the scan's bound gives the largest figure only at grid_n128_p128_r4_c8 with
+    SCAN_BP >= 64.
+    The value side's figure is always an upper bound (smem_kernels), so the estimate is exact where
+    the scan or the key side gives it and a bound elsewhere. The bound never decides feasibility: at
+    C*R <= 128 it stays under GB10's 101,376 B (at most 28,672 B at C*R = 64 for sm_121a), and the
+    preflight's compile (check 4) gives the exact figure. Not modelled: C*R >= 256 (over every
+    device's limit)."""
     return max(smem_kernels(config, shape, target).values())
 
 
@@ -570,8 +568,8 @@ def _signatures(shape: dict) -> dict:
     dims = dict(S="i32", H="i32", G="i32", NC="i32")
     scan = dict(Q=e, QB=f, ANG=f, DA=f, DOUT=e, PHI=f, Z=e, ZETA=f, DS=e, **dims)
     key = dict(Q=e, K=e, QB=f, KB=f, V=e, PSI=f, ANG=f, DA=f, DAR=f, DT=f, TRAP=e, SEG=f, DOUT=e, PHI=f, Z=e,
-               ZETA=f, STATES="*bf16", DS=e, DQ=e, DK=e, DANG=f, ROW_WS=f, DDA_WS=f, **dims)
-    value = dict(Q=e, K=e, QB=f, KB=f, V=e, PSI=f, ANG=f, DAR=f, DT=f, TRAP=e, QKD=e, SEG=f, DOUT=e, PHI=f, Z=e,
+               ZETA=f, STATES="*bf16", DS=e, DQ=e, DK=e, DANG=f, ROW_WS=f, DDA_WS=f, QH=e, KH=e, **dims)
+    value = dict(QH=e, KH=e, V=e, PSI=f, DAR=f, DT=f, TRAP=e, QKD=e, SEG=f, DOUT=e, PHI=f, Z=e,
                  ZETA=f, DPARAM=f, DS=e, ROW_WS=f, DDA_WS=f, DV=e, DFACTOR=f, DGAMMA=f, DDA=f, DDA_CS=f,
                  DDA_CS_REV=f, DSSDA=f, DPSI_WS=f, DD_WS=f, **dims)
     reduce = dict(DPSI_WS=f, DD_WS=f, DPSI=f, DD=f, H="i32", NC="i32")
