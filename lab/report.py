@@ -46,7 +46,9 @@ def best_per_dsl(df: pd.DataFrame) -> pd.DataFrame:
 
     Where every DSL at that shape and device has A/B confirm rows (phase=confirm, ok), each shows its
     best confirmed config (lowest confirm median, any run) with those timings (confirm_*, ms); the other
-    columns (SMEM, registers, parity) come from the newest ok sweep row of that config. Otherwise the
+    columns (SMEM, registers, parity) come from the confirm run's own sweep row of that config, else
+    the newest one before the confirm (a later run of the same config may have measured other code),
+    else the newest one. Otherwise the
     table is timed from the sweep and each DSL shows its best sweep trial (confirm_* NaN): a confirmed
     config can be older code than a faster unconfirmed trial. ``sweep_best_ms`` is the lowest sweep
     median of the DSL over all runs."""
@@ -69,7 +71,11 @@ def best_per_dsl(df: pd.DataFrame) -> pd.DataFrame:
         c = top.get(key) if all_confirmed[key[:len(GROUP)]] else None
         if c is not None:
             same = sweep[(sweep[KEYS] == pd.Series(key, index=KEYS)).all(axis=1)
-                         & (sweep["config_json"] == c["config_json"])].sort_values("time_utc")
+                         & (sweep["config_json"] == c["config_json"])]
+            # The code that the confirm timed: its own run's row, else the newest row before it.
+            own = same[same["run_id"] == c["run_id"]]
+            before = same[same["time_utc"] <= c["time_utc"]]
+            same = next((x for x in (own, before, same) if not x.empty), same).sort_values("time_utc")
             row = (same.iloc[-1] if not same.empty else c).to_dict()
             row |= {v: c[k] for k, v in CONFIRM_COLS.items()}
         rows.append(row | {"sweep_best_ms": r["time_ms"]})

@@ -159,6 +159,26 @@ def test_report_headline_is_the_best_confirmed_config_and_parity_skips_failures(
     assert "| triton | 1 | 1.0e-03 / 1.0e-03 | 5.0e-04 / 5.0e-04 |" in md and "5.0e-01" not in md
 
 
+def test_report_headline_columns_come_from_the_confirmed_run(tmp_path):
+    """SMEM, registers and parity beside a confirmed headline come from the confirm run's own sweep row
+    of that config, not from a later run that measured the same config on other code."""
+    from lab.report import best_per_dsl
+    from lab.results import load
+    conf = dict(phase="confirm", trial=-1)
+    _write(tmp_path, [dict(time_ms=2.0, smem_compiled_bytes=70_000.0, registers=242.0, time_utc="2026-01-01T00:00:00Z"),
+                      dict(time_ms=2.0, time_utc="2026-01-01T00:01:00Z", **conf)], run="r1")
+    _write(tmp_path, [dict(time_ms=1.5, smem_compiled_bytes=40_000.0, registers=255.0, time_utc="2026-02-01T00:00:00Z",
+                           git_commit="later")], run="r2")
+    tri = best_per_dsl(load(tmp_path)).set_index("dsl").loc["triton"]
+    assert tri["confirm_run"] == "r1" and tri["confirm_ms"] == pytest.approx(2.0)
+    assert tri["smem_compiled_bytes"] == 70_000 and tri["registers"] == 242 and tri["run_id"] == "r1"
+    assert tri["sweep_best_ms"] == pytest.approx(1.5)
+    # A confirm run that resumed its study measured no sweep row of its own: the newest row before it.
+    _write(tmp_path, [dict(time_ms=1.8, time_utc="2026-01-15T00:01:00Z", **conf)], run="r3")
+    tri = best_per_dsl(load(tmp_path)).set_index("dsl").loc["triton"]
+    assert tri["confirm_run"] == "r3" and tri["run_id"] == "r1" and tri["registers"] == 242
+
+
 def test_report_sweep_timed_table_shows_best_sweep_trials(tmp_path):
     """A shape where one lane has no A/B confirm is timed from the sweep: each DSL's best sweep trial, even
     where the DSL has an (older, slower) confirmed config."""
