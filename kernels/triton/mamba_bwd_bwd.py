@@ -463,7 +463,7 @@ def smem_kernels(config: dict, shape: dict, target: str) -> dict:
     """Shared memory per CTA of each kernel, bytes, as Triton 3.6 allocates it in compile_for (model
     and limits in smem_estimate). e: bytes of a GEMM operand (bf16 / fp16); fp32 tiles are 4 bytes."""
     c = {**DEFAULTS, **config}
-    C, R, P = shape["C"], shape["R"], shape["P"]
+    C, R = shape["C"], shape["R"]
     F, e = C * R, 2
     sm90 = _common.cc(target) == 90
 
