@@ -1,4 +1,4 @@
-"""Command line: python -m lab {devices,list,preflight,sweep,check,profile,gate,export,report}.
+"""Command line: python -m lab {devices,list,preflight,sweep,check,profile,gate,export,merge,prune,report}.
 
 Bad input (unknown kernel, device, DSL, shape or config key; malformed sweep file) prints one line
 ``error: ...`` on stderr and exits with status 2.
@@ -202,6 +202,17 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_merge(args) -> int:
+    from lab import merge
+    out = merge.merge([Path(p) for p in args.paths], Path(args.results))
+    for line in out.lines():
+        print(line)
+    print(f"merged {len(args.paths)} call(s) into {args.results}: {len(out.copied)} files copied, "
+          f"{len(out.studies)} studies and {out.n_trials} trials "
+          f"added, {len(out.conflicts)} conflicts")
+    return 1 if out.conflicts else 0
+
+
 def cmd_prune(args) -> int:
     from lab import prune, registry, results
     dsls = [l.dsl for l in registry.lanes_for(args.kernel)] if args.dsl == "all" else args.dsl.split(",")
@@ -300,6 +311,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--results", default="results")
     s.add_argument("--out", default="results/tuned")
     s.set_defaults(fn=cmd_export)
+
+    s = sub.add_parser("merge", help="merge GPU calls' results (results.tgz, or their output folders) into results/")
+    s.add_argument("paths", nargs="+", help="a call's results.tgz, or a folder holding it (and its log.txt)")
+    s.add_argument("--results", default="results")
+    s.set_defaults(fn=cmd_merge)
 
     s = sub.add_parser("prune", help="knob values of the sweep files that no committed result supports (no GPU)")
     s.add_argument("kernel")
