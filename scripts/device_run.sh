@@ -20,6 +20,18 @@ fi
 # .gpu/git (git bundle create .gpu/git/repo.bundle --all), gives gate --run the commits it rebuilds
 # previous lane code from, and this checkout's commit. It stays in /tmp/labgit while the machine is warm.
 [ -f .gpu/git/repo.bundle ] && rm -rf /tmp/labgit && git clone -q --bare .gpu/git/repo.bundle /tmp/labgit
+# LAB_BRANCH=<branch of the bundle>: run the commands in that branch's tree instead of the one sent (a
+# worktree under /tmp), so that one call can measure a branch beside main: results.tgz then holds that
+# tree's results/, which `python -m lab merge` brings back like any other call's.
+if [ -n "${LAB_BRANCH:-}" ]; then
+  [ -d /tmp/labgit ] || { echo "LAB_BRANCH needs the bundle (.gpu/git)" >&2; exit 3; }
+  wt="/tmp/labwt-${LAB_BRANCH//\//-}"
+  rm -rf "$wt" && GIT_DIR=/tmp/labgit git worktree prune
+  GIT_DIR=/tmp/labgit git worktree add -q --detach "$wt" "$LAB_BRANCH" || { echo "no branch $LAB_BRANCH in the bundle" >&2; exit 3; }
+  cd "$wt"
+  export LAB_GIT_COMMIT="$(GIT_DIR=/tmp/labgit git rev-parse --short "$LAB_BRANCH")"
+  export PYTHONPATH="$PWD:$PYTHONPATH"   # this tree's lab and kernels first
+fi
 if [ -d /tmp/labgit ]; then
   export GIT_DIR=/tmp/labgit LAB_GIT_COMMIT="${LAB_GIT_COMMIT:-$(GIT_DIR=/tmp/labgit git rev-parse --short HEAD)}"
 fi
