@@ -441,6 +441,11 @@ class Sweep:
                 return bool(queue) or grid_left()
             return len(measured.keys() | rejected_by_compile) < feasible_total
 
+        def unclaimed_left() -> bool:
+            """Whether a proposal can still be new: not while every feasible config of a counted space is
+            measured, queued or rejected (asking then only returns configs in hand, each a failed trial)."""
+            return len(measured.keys() | pending | rejected_by_compile) < feasible_total
+
         def grid_left() -> bool:
             """Grid points this worker has neither measured, rejected nor queued (queued ones are still
             to be measured: counting them as done dropped the queue's configs unmeasured)."""
@@ -450,7 +455,7 @@ class Sweep:
             while more():
                 # Fill the look-ahead queue: proposals go through the cheap checks now, compiles in the pool.
                 while (len(queue) <= req.prefetch and stale < STALE_STREAK
-                       and (req.sampler != "grid" or grid_left())):
+                       and (grid_left() if req.sampler == "grid" else unclaimed_left())):
                     trial = study.ask(dists)
                     beats.start(trial)
                     try:

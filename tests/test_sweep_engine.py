@@ -119,6 +119,27 @@ def test_tpe_sweep_stops_at_trials_and_skips_duplicates(lab_env):
     assert len(measured) == 6
 
 
+def test_a_space_smaller_than_the_trials_asks_for_nothing_it_has_in_hand(lab_env):
+    """Once every config of a counted space is measured or queued, the sweep stops asking the sampler:
+    each further proposal could only repeat one and was recorded as a failed trial (200 of them per
+    study of a one-config lane, the torch reference, on the H100 on 2026-11-26)."""
+    import optuna
+    from lab import sweep
+    (lab_env.sweeps / "gemm" / "sim.toml").write_text(
+        '[params]\nMODE = ["ok"]\nSMEM_KB = [16]\nSPEED = [1, 8]\nESTIMATE_BIAS_KB = [0]\n')
+    runner = SimRunner()
+    sweep.run(_request(lab_env, sampler="tpe", trials=10, seed=4, prefetch=2), present_h100(), runner=runner,
+              out=lambda *_: None)
+    assert len(runner.seen) == 2
+    storage = f"sqlite:///{next(lab_env.results.rglob('optuna.db'))}"
+    trials = [t for s in optuna.get_all_study_summaries(storage) if "|sim|" in s.study_name
+              for t in optuna.load_study(study_name=s.study_name, storage=storage).get_trials()]
+    states = [t.state.name for t in trials]
+    # Two measured; while one is queued the sampler may still propose it (a few failed trials), but
+    # never again once both are in hand (402 trials before).
+    assert states.count("COMPLETE") == 2 and len(states) < 10, states
+
+
 def test_lane_refusing_the_whole_shape_leaves_a_row_with_its_reason(lab_env):
     """No feasible config at a shape (every one refused by the lane's rules): one infeasible row that says
     why, nothing measured, and the sweep goes on."""
