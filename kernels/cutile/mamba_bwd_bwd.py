@@ -11,8 +11,9 @@ written with cuTile tile operations. Four kernels, launched in this order on the
 2. ``_chunk_k``, grid (nc * N/2/KEY_BJ, H, B): the key / query side of one chunk on KEY_BJ rotary pairs.
    Its P loop (KEY_BP columns a step) accumulates PsiV dy^T (F x F, F = C*R fused rows t*R + r),
    PsiV dS^T and dy STATES^T; then DQ, DK and DANGLES of its pairs, and its pairs' parts of the row sums
-   over N (DDA_CS_REV, DFACTOR, DDA_CS) and of sum(STATES * dS) (DDA).
-3. ``_chunk_v``, grid (nc, H, B): the value side. k_hat q_hat^T over N (VALUE_BJ pairs a step), then P
+   over N (DDA_CS_REV, DFACTOR, DDA_CS) and of sum(STATES * dS) (DDA), and its pairs' q_hat and k_hat.
+3. ``_chunk_v``, grid (nc, H, B): the value side, on the key side's q_hat and k_hat (no rotary
+   recomputed per P step). k_hat q_hat^T over N (VALUE_BJ coordinates a step), then P
    in BLOCK_P columns: dPsiV (DV, per-chunk DMIMO_V and DD partials), PsiV dy^T; then DSSDA,
    DGAMMA_DIAG and the sums of the key side's partials (DDA, DDA_CS, DDA_CS_REV, DFACTOR).
 4. ``_reduce``, grid (H, B): DMIMO_V and DD summed over the chunks (deterministic, no atomics).
@@ -22,6 +23,7 @@ What crosses global memory between them (the lane allocates it once per device):
   row partials  [B, H, nc, N/2/KEY_BJ, 4, C] fp32   key side -> value side (DDA_CS_REV, DFACTOR, DDA_CS; the
                 fourth row only pads the tile to a power of two)
   DDA partials  [B, H, nc, N/2/KEY_BJ] fp32         key side -> value side
+  q_hat, k_hat  [B, H, nc, C*R, N] input dtype each  key side -> value side (512 MiB in all at the training shape)
   DMIMO_V, DD   [B, H, nc, R, P], [B, H, nc] fp32   value side -> reduce
 cuTile keeps no state on chip across kernels, so these are the temporaries a one-kernel TileLang
 design keeps in shared memory; the dS scan is the only part that needs the chunk order.
@@ -165,6 +167,11 @@ def _same(C, R):
     return ct.reshape(f, (C * R, 1)) == ct.reshape(f, (1, C * R))
 
 
+def _hat(X, b, h, c, jt, F, BJ):
+    """Columns jt*BJ .. jt*BJ + BJ - 1 of chunk c of q_hat or k_hat [B, H, nc, F, N]: [F, BJ]."""
+    return ct.reshape(ct.load(X, (b, h, c, 0, jt), (1, 1, 1, F, BJ)), (F, BJ))
+
+
 def _cell(X, b, h, c, jb, pb, BJ, BP):
     """Tile (jb, pb) of chunk c of a [B, H, nc, N, P] state tensor: [BJ, BP]."""
     return ct.reshape(ct.load(X, (b, h, c, jb, pb), (1, 1, 1, BJ, BP)), (BJ, BP))
@@ -205,9 +212,10 @@ def _scan(Q, QB, ANG, DA, DOUT, PHI, Z, ZETA, DS,
 
 
 def _chunk_k(Q, K, QB, KB, V, PSI, ANG, DA, DAR, DT, TRAP, SEG, DOUT, PHI, Z, ZETA, STATES, DS,
-             DQ, DK, DANG, ROW_WS, DDA_WS,
+             DQ, DK, DANG, ROW_WS, DDA_WS, QH, KH,
              HG: K_, N: K_, P: K_, R: K_, C: K_, NR: K_, BJ: K_, BP: K_, HAS_Z: B_, REDUCE_O: B_):
-    """Key / query side of one chunk on BJ rotary pairs."""
+    """Key / query side of one chunk on BJ rotary pairs; also writes its pairs' q_hat, k_hat (input dtype)
+    to QH, KH [B, H, nc, F, N] for the value side."""
     F = C * R
     NHB = N // 2 // BJ
     pid = ct.bid(0)
@@ -252,6 +260,10 @@ def _chunk_k(Q, K, QB, KB, V, PSI, ANG, DA, DAR, DT, TRAP, SEG, DOUT, PHI, Z, ZE
     kr_lo, kr_hi = _rot(k_lo, k_hi, cos, sin)
     kh_lo = (kr_lo * factor).astype(dt)
     kh_hi = (kr_hi * factor).astype(dt)
+    ct.store(QH, (b, h, c, 0, jb), ct.reshape(qh_lo.astype(dt), (1, 1, 1, F, BJ)))
+    ct.store(QH, (b, h, c, 0, NHB + jb), ct.reshape(qh_hi.astype(dt), (1, 1, 1, F, BJ)))
+    ct.store(KH, (b, h, c, 0, jb), ct.reshape(kh_lo, (1, 1, 1, F, BJ)))
+    ct.store(KH, (b, h, c, 0, NHB + jb), ct.reshape(kh_hi, (1, 1, 1, F, BJ)))
 
     # Row sums over this program's pairs, [3, C] per (chunk, pair block): DDA_CS_REV, DFACTOR, DDA_CS.
     rev = _group(ct.sum(kh_lo.astype(ct.float32) * dks_lo + kh_hi.astype(ct.float32) * dks_hi, axis=1), C, R)
@@ -288,19 +300,18 @@ def _chunk_k(Q, K, QB, KB, V, PSI, ANG, DA, DAR, DT, TRAP, SEG, DOUT, PHI, Z, ZE
     ct.store(DQ, (b, c, h, NHB + jb), ct.reshape(dq_hi, (1, F, 1, BJ)).astype(DQ.dtype))
 
 
-def _chunk_v(Q, K, QB, KB, V, PSI, ANG, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, ZETA, DPARAM, DS,
+def _chunk_v(QH, KH, V, PSI, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, ZETA, DPARAM, DS,
              ROW_WS, DDA_WS, DV, DFACTOR, DGAMMA, DDA, DDA_CS, DDA_CS_REV, DSSDA, DPSI_WS, DD_WS,
-             HG: K_, N: K_, P: K_, R: K_, C: K_, NR: K_, BJ: K_, BP: K_, NKB: K_, HAS_Z: B_, HAS_D: B_,
-             REDUCE_O: B_):
-    """Value side of one chunk (NKB: the key side's pair blocks, whose partials it sums)."""
+             N: K_, P: K_, R: K_, C: K_, BJ: K_, BP: K_, NKB: K_, HAS_Z: B_, HAS_D: B_, REDUCE_O: B_):
+    """Value side of one chunk, on q_hat and k_hat as the key side wrote them (NKB: the key side's pair
+    blocks, whose partials it sums)."""
     F = C * R
     NHB = N // 2 // BJ
     c = ct.bid(0)
     h = ct.bid(1)
     b = ct.bid(2)
-    g = h // HG
-    dt = Q.dtype
-    gamma, factor, er = _gates(DT, TRAP, DAR, b, h, c, C, R)
+    dt = QH.dtype
+    gamma, _, er = _gates(DT, TRAP, DAR, b, h, c, C, R)
     # Same-step q.k products (biased, before rotary) as a block-diagonal [F, F]: [(t, o), (t, i)].
     qkd = ct.reshape(ct.load(QKD, (b, h, c, 0, 0), (1, 1, C, R, R)), (C, R, 1, R)).astype(ct.float32)
     tc = ct.arange(C, dtype=ct.int32)
@@ -309,15 +320,9 @@ def _chunk_v(Q, K, QB, KB, V, PSI, ANG, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, Z
                       (F, F))
     diag_t = ct.transpose(diag * gamma).astype(dt)
 
-    lkq = ct.zeros((F, F), dtype=ct.float32)          # k_hat_s . q_hat_t over N, BJ pairs at a time
-    for jb in range(NHB):
-        cos, sin = _angles(ANG, b, c, h, jb, C, R, BJ, NR)
-        qh_lo, qh_hi = _rot(_half(Q, QB, b, c, g, h, jb, C, R, BJ), _half(Q, QB, b, c, g, h, NHB + jb, C, R, BJ),
-                            cos, sin)
-        kr_lo, kr_hi = _rot(_half(K, KB, b, c, g, h, jb, C, R, BJ), _half(K, KB, b, c, g, h, NHB + jb, C, R, BJ),
-                            cos, sin)
-        lkq = ct.mma((kr_lo * factor).astype(dt), ct.transpose(qh_lo.astype(dt)), lkq)
-        lkq = ct.mma((kr_hi * factor).astype(dt), ct.transpose(qh_hi.astype(dt)), lkq)
+    lkq = ct.zeros((F, F), dtype=ct.float32)          # k_hat_s . q_hat_t over N, BJ coordinates at a time
+    for jt in range(2 * NHB):
+        lkq = ct.mma(_hat(KH, b, h, c, jt, F, BJ), ct.transpose(_hat(QH, b, h, c, jt, F, BJ)), lkq)
     lkq_m = (lkq * _decay(SEG, b, h, c, C, R)).astype(dt)
 
     dkq = ct.zeros((F, F), dtype=ct.float32)          # PsiV_s . dy_t
@@ -329,15 +334,10 @@ def _chunk_v(Q, K, QB, KB, V, PSI, ANG, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, Z
         psiv = ct.reshape(v * psi, (F, BP))
         dy = _dy(DOUT, PHI, Z, ZETA, b, h, c, pb, C, R, BP, HAS_Z, REDUCE_O)
         dy16 = dy.astype(dt)
-        # k_hat dS_c over N, k_hat recomputed BJ pairs at a time.
+        # k_hat dS_c over N, BJ coordinates at a time.
         khds = ct.zeros((F, BP), dtype=ct.float32)
-        for jb in range(NHB):
-            cos, sin = _angles(ANG, b, c, h, jb, C, R, BJ, NR)
-            kr_lo, kr_hi = _rot(_half(K, KB, b, c, g, h, jb, C, R, BJ),
-                                _half(K, KB, b, c, g, h, NHB + jb, C, R, BJ), cos, sin)
-            khds = ct.mma((kr_lo * factor).astype(dt), _cell(DS, b, h, c, jb, pb, BJ, BP).astype(dt), khds)
-            khds = ct.mma((kr_hi * factor).astype(dt), _cell(DS, b, h, c, NHB + jb, pb, BJ, BP).astype(dt),
-                          khds)
+        for jt in range(2 * NHB):
+            khds = ct.mma(_hat(KH, b, h, c, jt, F, BJ), _cell(DS, b, h, c, jt, pb, BJ, BP).astype(dt), khds)
         dpsiv = ct.mma(diag_t, dy16, ct.mma(lkq_m, dy16, er * khds))
         if HAS_D:
             dpsiv = dpsiv + dpar * dy
@@ -457,7 +457,7 @@ def _layouts(config: dict, shape: dict) -> dict:
             "DANG": (f, (B, S, H, nr)), "ROW_WS": (f, (B, H, nc, nkb, 4, C)), "DDA_WS": (f, (B, H, nc, nkb)),
             "DPSI_WS": (f, (B, H, nc, R, P)), "DD_WS": (f, (B, H, nc)), "DPSI": (f, (B, H, R, P)),
             "DD": (f, (B, H)), **{k: (f, (B, H, S)) for k in ("DFACTOR", "DGAMMA", "DDA", "DDA_CS", "DDA_CS_REV")},
-            "DSSDA": (f, (B, H, nc, C, C))}
+            "DSSDA": (f, (B, H, nc, C, C)), "QH": (e, (B, H, nc, C * R, N)), "KH": (e, (B, H, nc, C * R, N))}
 
 
 def _params(name: str) -> list[str]:
@@ -475,7 +475,8 @@ def _consts(name: str, config: dict, shape: dict) -> list:
     if name == "key":
         return base + [config["KEY_BJ"], config["KEY_BP"], z, o]
     if name == "value":
-        return base + [config["VALUE_BJ"], config["BLOCK_P"], N // 2 // config["KEY_BJ"], z, bool(shape["hasD"]), o]
+        return [N, P, R, C, config["VALUE_BJ"], config["BLOCK_P"], N // 2 // config["KEY_BJ"], z,
+                bool(shape["hasD"]), o]
     return [R, P, bool(shape["hasD"])]
 
 
@@ -539,7 +540,9 @@ def build(config: dict, shape: dict):
                         # [.., 4, C]: three row sums and one unused row (tile sides are powers of two)
                         rows=torch.zeros(B, H, nc, nkb, 4, C, **f32),
                         dpsi=torch.empty(B, H, nc, R, P, **f32), dd=torch.empty(B, H, nc, **f32),
-                        dd_out=torch.empty(B, H, **f32), d=torch.zeros(H, **f32))
+                        dd_out=torch.empty(B, H, **f32), d=torch.zeros(H, **f32),
+                        qh=torch.empty(B, H, nc, C * R, N, dtype=i["Q"].dtype, device=dev),
+                        kh=torch.empty(B, H, nc, C * R, N, dtype=i["Q"].dtype, device=dev))
         w = work
         z, zeta = (i["Z"], i["MIMO_Z"]) if shape["hasZ"] else (i["V"], i["MIMO_V"])   # not read without Z
         dpar = i["D"] if shape["hasD"] else w["d"]
@@ -551,10 +554,9 @@ def build(config: dict, shape: dict):
             ("key", (nc * nkb, H, B), (i["Q"], i["K"], i["Q_BIAS"], i["K_BIAS"], i["V"], i["MIMO_V"], i["ANGLES"],
                                        i["DA_CS"], i["DA_CS_REV"], i["DT"], i["TRAP"], i["SEGSUM"], i["DOUT"],
                                        i["MIMO_O"], z, zeta, i["STATES"], w["ds"], o["DQ"], o["DK"], o["DANGLES"],
-                                       w["rows"], w["dda"])),
-            ("value", (nc, H, B), (i["Q"], i["K"], i["Q_BIAS"], i["K_BIAS"], i["V"], i["MIMO_V"], i["ANGLES"],
-                                   i["DA_CS_REV"], i["DT"], i["TRAP"], i["QK_DOT"], i["SEGSUM"], i["DOUT"], i["MIMO_O"],
-                                   z, zeta, dpar, w["ds"], w["rows"], w["dda"], o["DV"], o["DFACTOR"],
+                                       w["rows"], w["dda"], w["qh"], w["kh"])),
+            ("value", (nc, H, B), (w["qh"], w["kh"], i["V"], i["MIMO_V"], i["DA_CS_REV"], i["DT"], i["TRAP"],
+                                   i["QK_DOT"], i["SEGSUM"], i["DOUT"], i["MIMO_O"], z, zeta, dpar, w["ds"], w["rows"], w["dda"], o["DV"], o["DFACTOR"],
                                    o["DGAMMA_DIAG"], o["DDA"], o["DDA_CS"], o["DDA_CS_REV"], o["DSSDA"], w["dpsi"],
                                    w["dd"])),
             ("reduce", (H, B, 1), (w["dpsi"], w["dd"], o["DMIMO_V"], dd_out)),
@@ -578,21 +580,21 @@ def seed_for(shape: dict) -> dict:
 
 
 # Compiled shared memory (bytes, the largest of the four kernels) of ``seed_for(shape)`` at the named shapes
-# (sweeps/mamba_bwd_bwd/shapes.toml), read from the tileiras cubins (cuda-tile 1.7.0, 2026-11-25) as the
+# (sweeps/mamba_bwd_bwd/shapes.toml), read from the tileiras cubins (cuda-tile 1.7.0, 2026-11-26) as the
 # driver counts it (kernels/_launch_smem.py driver_static: the section less the 1 KiB sm_90+ reservation): the
-# value side is the largest on sm_90a, the key or the value side on sm_121a; the scan 16-42 KB, the reduce
-# none. tileiras gave the scan 255 registers and the chunk kernels 168 (no hint); local memory (spills)
-# 32-312 B per thread, up to ~1.5 KB in the chunk kernels at N = 128 with C <= 8 or R = 1.
-# tests/test_cutile_mamba.py compiles and compares (GB10 shape by default, the others under -m slow).
+# value side is the largest on sm_90a, the key side on sm_121a; the scan 15-41 KB, the reduce none.
+# tileiras gave the scan 255 registers and the chunk kernels 168 (255 for the value side at two shapes; no
+# hint); local memory (spills) up to ~350 B per thread, ~1.7-1.9 KB in the key side at C = 8 with P = 128
+# and at R = 1. tests/test_cutile_mamba.py compiles and compares (GB10 shape by default, the others under -m slow).
 SMEM = {
-    "h100_tuned": {"sm_90a": 220_040, "sm_121a": 91_436},
-    "anchor_b2": {"sm_90a": 144_576, "sm_121a": 90_916},
-    "training": {"sm_90a": 206_760, "sm_121a": 86_916},
-    "gb10": {"sm_90a": 144_576, "sm_121a": 90_916},
-    "grid_n32_p64_r4_c16": {"sm_90a": 107_272, "sm_121a": 86_172},
-    "grid_n128_p128_r4_c8": {"sm_90a": 149_464, "sm_121a": 80_364},
-    "grid_n128_p64_r8_c8": {"sm_90a": 212_344, "sm_121a": 92_580},
-    "grid_n128_p64_r2_c32": {"sm_90a": 211_496, "sm_121a": 85_092},
-    "grid_n128_p64_r1_c64": {"sm_90a": 203_960, "sm_121a": 93_292},
-    "gqa_plain_rd2": {"sm_90a": 140_680, "sm_121a": 95_636},
+    "h100_tuned": {"sm_90a": 183_344, "sm_121a": 95_132},
+    "anchor_b2": {"sm_90a": 112_664, "sm_121a": 95_132},
+    "training": {"sm_90a": 170_232, "sm_121a": 95_132},
+    "gb10": {"sm_90a": 112_664, "sm_121a": 95_132},
+    "grid_n32_p64_r4_c16": {"sm_90a": 98_368, "sm_121a": 93_332},
+    "grid_n128_p128_r4_c8": {"sm_90a": 219_160, "sm_121a": 84_484},
+    "grid_n128_p64_r8_c8": {"sm_90a": 176_680, "sm_121a": 98_700},
+    "grid_n128_p64_r2_c32": {"sm_90a": 199_704, "sm_121a": 93_316},
+    "grid_n128_p64_r1_c64": {"sm_90a": 200_560, "sm_121a": 97_404},
+    "gqa_plain_rd2": {"sm_90a": 132_248, "sm_121a": 99_172},
 }
