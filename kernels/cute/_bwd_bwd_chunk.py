@@ -102,6 +102,14 @@ class Views:
         return cute.make_tensor(p, cute.make_layout((inner, nc, H, self.B),
                                                     stride=(1, inner, inner * nc, inner * nc * H)))
 
+    def element(self, it, tid, width: int, c):
+        """Element ``it * THREADS + tid`` of an F x ``width`` tile that the threads build or read together:
+        its fused row f = t*R + r, its column, the rank r and the step s of chunk c (threads run along
+        the columns)."""
+        idx = it * THREADS + tid
+        f = idx // width
+        return f, idx % width, f % self.R, c * self.C + f // self.R
+
     @cute.jit
     def dy(self, mdo, mphi, mz, mzeta, p, h, r, s, b):
         """dL/dy (fp32) of fused row (step s, rank r), column p."""
@@ -304,9 +312,7 @@ class Key(Views):
         dda = F32(0.0)
         for p0 in cutlass.range(0, self.P, BP, unroll=1):
             for it in cutlass.range(F * BP // THREADS, unroll=self.unroll):
-                idx = it * THREADS + tid
-                f, p = idx // BP, idx % BP
-                r, s = f % R, c * C + f // R
+                f, p, r, s = self.element(it, tid, BP, c)
                 pp = p0 + p
                 s_pv[f, p] = (mv[pp, h, s, b].to(F32) * mpsi[pp, r, h]).to(dt)
                 s_dy[f, p] = self.dy(mdo, mphi, mz, mzeta, pp, h, r, s, b).to(dt)
@@ -342,9 +348,7 @@ class Key(Views):
             s_dqk[x, y] = same.to(dt)
         # Operands of the pairs, and the row sums through dks, dqs; then dks, dqs scaled by er, ea per row.
         for it in cutlass.range(F * BJ // THREADS, unroll=self.unroll):
-            idx = it * THREADS + tid
-            f, j = idx // BJ, idx % BJ
-            r, s = f % R, c * C + f // R
+            f, j, r, s = self.element(it, tid, BJ, c)
             factor, er, ea = s_gate[1, f], s_gate[2, f], s_gate[3, f]
             q_lo, q_hi, k_lo, k_hi, cos, sin = self.qk_rot(mq, mk, mqb, mkb, mang, g, h, b, r, s, j0 + j)
             qh_lo, qh_hi = q_lo * cos - q_hi * sin, q_lo * sin + q_hi * cos
@@ -379,9 +383,7 @@ class Key(Views):
 
         # Angle gradient, DFACTOR's row sums, and the rotary transposes of dk_hat factor and dq_hat.
         for it in cutlass.range(F * BJ // THREADS, unroll=self.unroll):
-            idx = it * THREADS + tid
-            f, j = idx // BJ, idx % BJ
-            r, s = f % R, c * C + f // R
+            f, j, r, s = self.element(it, tid, BJ, c)
             factor = s_gate[1, f]
             q_lo, q_hi, k_lo, k_hi, cos, sin = self.qk_rot(mq, mk, mqb, mkb, mang, g, h, b, r, s, j0 + j)
             dkh_lo, dkh_hi, dqh_lo, dqh_hi = s_dks[f, j], s_dks[f, BJ + j], s_dqs[f, j], s_dqs[f, BJ + j]
@@ -493,9 +495,7 @@ class Value(Views):
 
         # k_hat and q_hat over all of N (natural coordinate order), then lkq = k_hat q_hat^T.
         for it in cutlass.range(F * NH // THREADS, unroll=self.unroll):
-            idx = it * THREADS + tid
-            f, n = idx // NH, idx % NH
-            r, s = f % R, c * C + f // R
+            f, n, r, s = self.element(it, tid, NH, c)
             factor = s_gate[1, f]
             q_lo, q_hi, k_lo, k_hi, cos, sin = self.qk_rot(mq, mk, mqb, mkb, mang, g, h, b, r, s, n)
             s_qh[f, n], s_qh[f, NH + n] = (q_lo * cos - q_hi * sin).to(dt), (q_lo * sin + q_hi * cos).to(dt)
@@ -523,9 +523,7 @@ class Value(Views):
         for p0 in cutlass.range(0, P, BP, unroll=1):
             # Operands: dy, PsiV [F, BP] (input dtype), the dS columns [N, BP]; D dy (fp32) into s_dp.
             for it in cutlass.range(F * BP // THREADS, unroll=self.unroll):
-                idx = it * THREADS + tid
-                f, p = idx // BP, idx % BP
-                r, s = f % R, c * C + f // R
+                f, p, r, s = self.element(it, tid, BP, c)
                 pp = p0 + p
                 dy = self.dy(mdo, mphi, mz, mzeta, pp, h, r, s, b)
                 pv = mv[pp, h, s, b].to(F32) * mpsi[pp, r, h]

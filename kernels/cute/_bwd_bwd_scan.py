@@ -87,13 +87,6 @@ class Scan(chunk.Views):
         self.kernel(*t, tiled_mma, a_layout, b_layout).launch(
             grid=grid, block=[THREADS, 1, 1], stream=stream)
 
-    def _element(self, it, tid, width: int, c):
-        """Element ``it * THREADS + tid`` of an F x ``width`` operand built in shared memory: its fused row
-        f = t*R + r, its column, the rank r and the step s of chunk c (threads run along the columns)."""
-        idx = it * THREADS + tid
-        f = idx // width
-        return f, idx % width, f % self.R, c * self.C + f // self.R
-
     @cute.kernel
     def kernel(self, mq: cute.Tensor, mqb: cute.Tensor, mang: cute.Tensor, mda: cute.Tensor, mdo: cute.Tensor,
                mphi: cute.Tensor, mz: cute.Tensor, mzeta: cute.Tensor, mds: cute.Tensor, tiled_mma: cute.TiledMma,
@@ -126,7 +119,7 @@ class Scan(chunk.Views):
             a_last = cute.math.exp(mda[c * C + C - 1, h, b])
             cute.arch.sync_threads()      # the previous chunk's ldmatrix reads are done
             for it in cutlass.range(F * BJ // THREADS, unroll=self.unroll):
-                f, j, r, s = self._element(it, tid, BJ, c)
+                f, j, r, s = self.element(it, tid, BJ, c)
                 n = j0 + j
                 q_lo = mq[n, g, r, s, b].to(F32) + mqb[n, r, h]
                 q_hi = mq[NH + n, g, r, s, b].to(F32) + mqb[NH + n, r, h]
@@ -138,7 +131,7 @@ class Scan(chunk.Views):
                 sA[j, f] = (q_lo * cos - q_hi * sin).to(self.dt)
                 sA[BJ + j, f] = (q_lo * sin + q_hi * cos).to(self.dt)
             for it in cutlass.range(F * BP // THREADS, unroll=self.unroll):
-                f, p, r, s = self._element(it, tid, BP, c)
+                f, p, r, s = self.element(it, tid, BP, c)
                 pp = p0 + p
                 d = self.dy(mdo, mphi, mz, mzeta, pp, h, r, s, b)
                 sB[p, f] = (d * cute.math.exp(mda[s, h, b])).to(self.dt)
