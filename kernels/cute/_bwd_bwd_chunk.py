@@ -36,7 +36,6 @@ from kernels.cute import _warp_mma as wm
 from lab.problems import _mamba3 as m3
 
 THREADS = 128
-UNROLL = 2  # of the elementwise loops
 F32 = cutlass.Float32
 ALIGN = 128  # bytes: each shared buffer's alignment
 
@@ -102,6 +101,14 @@ class Views:
         nc, H = self.nc, self.H
         return cute.make_tensor(p, cute.make_layout((inner, nc, H, self.B),
                                                     stride=(1, inner, inner * nc, inner * nc * H)))
+
+    def element(self, it, tid, width: int, c):
+        """Element ``it * THREADS + tid`` of an F x ``width`` tile that the threads build or read together:
+        its fused row f = t*R + r, its column, the rank r and the step s of chunk c (threads run along
+        the columns)."""
+        idx = it * THREADS + tid
+        f = idx // width
+        return f, idx % width, f % self.R, c * self.C + f // self.R
 
     @cute.jit
     def dy(self, mdo, mphi, mz, mzeta, p, h, r, s, b):
@@ -244,6 +251,7 @@ class Key(Views):
     def __init__(self, config: dict, shape: dict):
         super().__init__(shape, shape["N"] // 2 // config["KEY_BJ"])
         self.BJ, self.BP = config["KEY_BJ"], config["KEY_BP"]
+        self.unroll = config["UNROLL"]
         self.M2 = 2 * self.BJ
         self.buffers = key_layout(config, shape)
 
@@ -303,14 +311,12 @@ class Key(Views):
         acc_dqs = wm.accumulator(tiled_mma, tid, F, M2)
         dda = F32(0.0)
         for p0 in cutlass.range(0, self.P, BP, unroll=1):
-            for it in cutlass.range(F * BP // THREADS, unroll=UNROLL):
-                idx = it * THREADS + tid
-                f, p = idx // BP, idx % BP
-                r, s = f % R, c * C + f // R
+            for it in cutlass.range(F * BP // THREADS, unroll=self.unroll):
+                f, p, r, s = self.element(it, tid, BP, c)
                 pp = p0 + p
                 s_pv[f, p] = (mv[pp, h, s, b].to(F32) * mpsi[pp, r, h]).to(dt)
                 s_dy[f, p] = self.dy(mdo, mphi, mz, mzeta, pp, h, r, s, b).to(dt)
-            for it in cutlass.range(M2 * BP // THREADS, unroll=UNROLL):
+            for it in cutlass.range(M2 * BP // THREADS, unroll=self.unroll):
                 idx = it * THREADS + tid
                 m, p = idx // BP, idx % BP
                 n = self._col(j0, m)
@@ -332,7 +338,7 @@ class Key(Views):
             mdda[jb, c, h, b] = cute.math.exp(mda[c * C + C - 1, h, b]) * total
 
         # dkq_m = dkq * decay and dqk[x, y] = gamma_x dkq[y, x] on same-step (x, y), both in the input dtype.
-        for it in cutlass.range(F * F // THREADS, unroll=UNROLL):
+        for it in cutlass.range(F * F // THREADS, unroll=self.unroll):
             idx = it * THREADS + tid
             x, y = idx // F, idx % F
             s_dkqm[x, y] = (s_dkq[x, y] * self.decay(mseg, c, h, b, x, y)).to(dt)
@@ -341,10 +347,8 @@ class Key(Views):
                 same = s_gate[0, x] * s_dkq[y, x]
             s_dqk[x, y] = same.to(dt)
         # Operands of the pairs, and the row sums through dks, dqs; then dks, dqs scaled by er, ea per row.
-        for it in cutlass.range(F * BJ // THREADS, unroll=UNROLL):
-            idx = it * THREADS + tid
-            f, j = idx // BJ, idx % BJ
-            r, s = f % R, c * C + f // R
+        for it in cutlass.range(F * BJ // THREADS, unroll=self.unroll):
+            f, j, r, s = self.element(it, tid, BJ, c)
             factor, er, ea = s_gate[1, f], s_gate[2, f], s_gate[3, f]
             q_lo, q_hi, k_lo, k_hi, cos, sin = self.qk_rot(mq, mk, mqb, mkb, mang, g, h, b, r, s, j0 + j)
             qh_lo, qh_hi = q_lo * cos - q_hi * sin, q_lo * sin + q_hi * cos
@@ -378,10 +382,8 @@ class Key(Views):
         cute.arch.sync_threads()
 
         # Angle gradient, DFACTOR's row sums, and the rotary transposes of dk_hat factor and dq_hat.
-        for it in cutlass.range(F * BJ // THREADS, unroll=UNROLL):
-            idx = it * THREADS + tid
-            f, j = idx // BJ, idx % BJ
-            r, s = f % R, c * C + f // R
+        for it in cutlass.range(F * BJ // THREADS, unroll=self.unroll):
+            f, j, r, s = self.element(it, tid, BJ, c)
             factor = s_gate[1, f]
             q_lo, q_hi, k_lo, k_hi, cos, sin = self.qk_rot(mq, mk, mqb, mkb, mang, g, h, b, r, s, j0 + j)
             dkh_lo, dkh_hi, dqh_lo, dqh_hi = s_dks[f, j], s_dks[f, BJ + j], s_dqs[f, j], s_dqs[f, BJ + j]
@@ -439,6 +441,7 @@ class Value(Views):
     def __init__(self, config: dict, shape: dict):
         super().__init__(shape, shape["N"] // 2 // config["KEY_BJ"])
         self.BP = config["BLOCK_P"]
+        self.unroll = config["UNROLL"]
         self.buffers = value_layout(config, shape)
 
     @cute.jit
@@ -491,10 +494,8 @@ class Value(Views):
         cute.arch.sync_threads()
 
         # k_hat and q_hat over all of N (natural coordinate order), then lkq = k_hat q_hat^T.
-        for it in cutlass.range(F * NH // THREADS, unroll=UNROLL):
-            idx = it * THREADS + tid
-            f, n = idx // NH, idx % NH
-            r, s = f % R, c * C + f // R
+        for it in cutlass.range(F * NH // THREADS, unroll=self.unroll):
+            f, n, r, s = self.element(it, tid, NH, c)
             factor = s_gate[1, f]
             q_lo, q_hi, k_lo, k_hi, cos, sin = self.qk_rot(mq, mk, mqb, mkb, mang, g, h, b, r, s, n)
             s_qh[f, n], s_qh[f, NH + n] = (q_lo * cos - q_hi * sin).to(dt), (q_lo * sin + q_hi * cos).to(dt)
@@ -506,7 +507,7 @@ class Value(Views):
         wm.to_smem(tiled_mma, tid, acc_lkq, s_lkq)
         cute.arch.sync_threads()
         # A = lkq * decay + gamma QK_DOT on the same-step blocks: A[x, y] = gamma_y QK_DOT[t, r_y, r_x].
-        for it in cutlass.range(F * F // THREADS, unroll=UNROLL):
+        for it in cutlass.range(F * F // THREADS, unroll=self.unroll):
             idx = it * THREADS + tid
             x, y = idx // F, idx % F
             a = s_lkq[x, y] * self.decay(mseg, c, h, b, x, y)
@@ -521,17 +522,15 @@ class Value(Views):
         acc_dkq = wm.accumulator(tiled_mma, tid, F, F)
         for p0 in cutlass.range(0, P, BP, unroll=1):
             # Operands: dy, PsiV [F, BP] (input dtype), the dS columns [N, BP]; D dy (fp32) into s_dp.
-            for it in cutlass.range(F * BP // THREADS, unroll=UNROLL):
-                idx = it * THREADS + tid
-                f, p = idx // BP, idx % BP
-                r, s = f % R, c * C + f // R
+            for it in cutlass.range(F * BP // THREADS, unroll=self.unroll):
+                f, p, r, s = self.element(it, tid, BP, c)
                 pp = p0 + p
                 dy = self.dy(mdo, mphi, mz, mzeta, pp, h, r, s, b)
                 pv = mv[pp, h, s, b].to(F32) * mpsi[pp, r, h]
                 s_dy[f, p], s_pv[f, p] = dy.to(dt), pv.to(dt)
                 s_dp[f, p] = dpar * dy
                 dd = dd + dy * pv
-            for it in cutlass.range(N * BP // THREADS, unroll=UNROLL):
+            for it in cutlass.range(N * BP // THREADS, unroll=self.unroll):
                 idx = it * THREADS + tid
                 n, p = idx // BP, idx % BP
                 s_ds[n, p] = mds[p0 + p, n, c, h, b]

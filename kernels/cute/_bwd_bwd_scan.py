@@ -31,7 +31,6 @@ from kernels.cute.gemm import static_smem
 from lab.problems import _mamba3 as m3
 
 THREADS = 128
-UNROLL = 2  # of the loops that build the operands: fully unrolled, the 64 x 64 tiles spill
 F32 = cutlass.Float32
 TARGETS = ("sm_90a", "sm_120a", "sm_121a")
 
@@ -64,6 +63,7 @@ class Scan(chunk.Views):
     def __init__(self, config: dict, shape: dict):
         super().__init__(shape)
         self.BJ, self.BP = config["SCAN_BJ"], config["SCAN_BP"]
+        self.unroll = config["UNROLL"]
         self.M = 2 * self.BJ
 
     @cute.jit
@@ -86,13 +86,6 @@ class Scan(chunk.Views):
         grid = ((self.NH // self.BJ) * (P // self.BP), self.H, self.B)
         self.kernel(*t, tiled_mma, a_layout, b_layout).launch(
             grid=grid, block=[THREADS, 1, 1], stream=stream)
-
-    def _element(self, it, tid, width: int, c):
-        """Element ``it * THREADS + tid`` of an F x ``width`` operand built in shared memory: its fused row
-        f = t*R + r, its column, the rank r and the step s of chunk c (threads run along the columns)."""
-        idx = it * THREADS + tid
-        f = idx // width
-        return f, idx % width, f % self.R, c * self.C + f // self.R
 
     @cute.kernel
     def kernel(self, mq: cute.Tensor, mqb: cute.Tensor, mang: cute.Tensor, mda: cute.Tensor, mdo: cute.Tensor,
@@ -125,8 +118,8 @@ class Scan(chunk.Views):
                 tCgds[e] = acc[e].to(self.dt)
             a_last = cute.math.exp(mda[c * C + C - 1, h, b])
             cute.arch.sync_threads()      # the previous chunk's ldmatrix reads are done
-            for it in cutlass.range(F * BJ // THREADS, unroll=UNROLL):
-                f, j, r, s = self._element(it, tid, BJ, c)
+            for it in cutlass.range(F * BJ // THREADS, unroll=self.unroll):
+                f, j, r, s = self.element(it, tid, BJ, c)
                 n = j0 + j
                 q_lo = mq[n, g, r, s, b].to(F32) + mqb[n, r, h]
                 q_hi = mq[NH + n, g, r, s, b].to(F32) + mqb[NH + n, r, h]
@@ -137,8 +130,8 @@ class Scan(chunk.Views):
                 sin = cute.math.sin(theta)
                 sA[j, f] = (q_lo * cos - q_hi * sin).to(self.dt)
                 sA[BJ + j, f] = (q_lo * sin + q_hi * cos).to(self.dt)
-            for it in cutlass.range(F * BP // THREADS, unroll=UNROLL):
-                f, p, r, s = self._element(it, tid, BP, c)
+            for it in cutlass.range(F * BP // THREADS, unroll=self.unroll):
+                f, p, r, s = self.element(it, tid, BP, c)
                 pp = p0 + p
                 d = self.dy(mdo, mphi, mz, mzeta, pp, h, r, s, b)
                 sB[p, f] = (d * cute.math.exp(mda[s, h, b])).to(self.dt)

@@ -19,6 +19,9 @@ Tunables (values in sweeps/mamba_bwd_bwd/cute.toml):
   SCAN_BJ, SCAN_BP   dS tile of one scan CTA: SCAN_BJ rotary pairs (2 SCAN_BJ rows) x SCAN_BP columns
   KEY_BJ             rotary pairs per key-side CTA (its products are F x 2 KEY_BJ)
   KEY_BP, BLOCK_P    P columns per step of the key side's and the value side's P loops
+  UNROLL             unroll factor of the loops in which the 128 threads build shared-memory operands
+                     from global memory (each iteration loads and converts one element per thread):
+                     the global loads in flight per thread, against registers
 Shared memory per CTA (bytes) is what each kernel's buffers take (smem_kernels); the largest is the
 lane's figure. Every kernel runs 128 threads.
 """
@@ -38,8 +41,8 @@ from lab.problems import _mamba3 as m3
 
 DSL = "cute"
 KERNEL = "mamba_bwd_bwd"
-TUNABLES = ("SCAN_BJ", "SCAN_BP", "KEY_BJ", "KEY_BP", "BLOCK_P")
-DEFAULTS = {"SCAN_BJ": 16, "SCAN_BP": 32, "KEY_BJ": 16, "KEY_BP": 32, "BLOCK_P": 32}
+TUNABLES = ("SCAN_BJ", "SCAN_BP", "KEY_BJ", "KEY_BP", "BLOCK_P", "UNROLL")
+DEFAULTS = {"SCAN_BJ": 16, "SCAN_BP": 32, "KEY_BJ": 16, "KEY_BP": 32, "BLOCK_P": 32, "UNROLL": 2}
 TARGETS = scan.TARGETS
 F32 = cutlass.Float32
 _DT = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
