@@ -298,7 +298,7 @@ def _scan_program(config: dict, shape: dict):
                     r = f % R
                     n = n0 + j
                     m = n % half
-                    partner = T.if_then_else(n < half, n + half, n - half)
+                    partner = (n + half) % N
                     x = T.cast(q_raw[t, r, n], F32) + qb_s[r, n]
                     y = T.cast(q_raw[t, r, partner], F32) + qb_s[r, partner]
                     sgn = T.if_then_else(n < half, -1.0, 1.0)
@@ -316,7 +316,7 @@ def _scan_program(config: dict, shape: dict):
                         d = d * zz * T.sigmoid(zz)
                     dy_s[f, j] = d * ea_s[t]
                 for i, j in T.Parallel(bn, bp):
-                    ds_f[i, j] = ds_f[i, j] * T.exp(da_raw[C - 1])
+                    ds_f[i, j] = ds_f[i, j] * ea_s[C - 1]
                 T.gemm(qh_s, dy_s, ds_f, transpose_A=True)
             if pieces > 1:
                 T.copy(ds_f, DS_CARRY[b, h, n0:n0 + bn, p0:p0 + bp])
@@ -447,7 +447,7 @@ def _chunk_macros(shape: dict):
         """out = g_s with the rotary rotation of each pair undone (dL/d(rotated x) -> dL/dx)."""
         for f, n in T.Parallel(F, N):
             m = n % half
-            partner = T.if_then_else(n < half, n + half, n - half)
+            partner = (n + half) % N
             sgn = T.if_then_else(n < half, 1.0, -1.0)
             cs = cos_s[f // R, T.min(m, nr - 1)]
             sn = sin_s[f // R, T.min(m, nr - 1)]
@@ -570,7 +570,7 @@ def _classic_chunk_program(config: dict, shape: dict):
             T.copy(DSTATES[b, h, c, :, :], ds_s)
             for f, n in T.Parallel(F, N):
                 mm = n % half
-                partner = T.if_then_else(n < half, n + half, n - half)
+                partner = (n + half) % N
                 sgn = T.if_then_else(n < half, -1.0, 1.0)
                 cs = cos_s[f // R, T.min(mm, nr - 1)]
                 sn = sin_s[f // R, T.min(mm, nr - 1)]
