@@ -156,7 +156,7 @@ _DEFAULT_CASES = {("h100_tuned", "sm_121a", "seed0"), ("anchor_b2", "sm_121a", "
 def test_smem_estimate_equals_the_compiler(shape, target, which, compiled):
     """Issue 22: the preflight's estimate is the compiler's figure (compile_for, Triton AOT) at every
     named shape for sm_90a and sm_121a: the sweep's seeds, and a config close to GB10's limit that
-    compiles within it. Where the value side gives the largest figure, it is an upper bound."""
+    compiles within it."""
     sh = space.get_shape("mamba_bwd_bwd", shape)
     config = _config(which, sh)
     assert lane.config_reason(config, sh) is None and SPACE.rule_reason(config) is None
@@ -164,9 +164,10 @@ def test_smem_estimate_equals_the_compiler(shape, target, which, compiled):
     _check_estimate(config, sh, target, res)
     est = lane.smem_kernels(config, sh, target)
     top = max(est, key=est.get)
-    # The documented bounds (smem_estimate): the value side's, and the scan's where its dS / dy
-    # conversion outweighs the q_hat^T operand (SCAN_BP = 64 at grid_n128_p128_r4_c8).
-    allowed = {"value"} | ({"scan"} if shape == "grid_n128_p128_r4_c8" and config["SCAN_BP"] >= 64 else set())
+    # The only bound (smem_estimate) that may give the largest figure at a named shape: the scan's
+    # where its dS / dy conversion outweighs the q_hat^T operand (SCAN_BP >= 64, or at
+    # grid_n128_p128_r4_c8). The value side's figure is exact at every named shape.
+    allowed = {"scan"} if shape == "grid_n128_p128_r4_c8" or config["SCAN_BP"] >= 64 else set()
     assert top in allowed or top not in lane.smem_inexact(config, sh, target), (config, est)
     if which == "near_gb10":
         assert res["smem_bytes"] <= GB10_LIMIT, res
@@ -186,13 +187,68 @@ def test_smem_estimate_on_random_configs(target, compiled):
         _check_estimate(config, sh, target, compiled(lane, config, sh, target))
 
 
-def test_the_value_sides_bound_never_decides_feasibility():
-    """The value side's figure is an upper bound; the preflight rejects on the estimate before it
-    compiles, so that bound (a function of C*R, VALUE_BJ and BLOCK_P) must stay under GB10's limit
-    for every value-side tile of the sweep space at every named shape: the compile then decides."""
+def _value_tiles(shape: dict):
+    """Configs over the sweep's value-side tunables (and KEY_BJ, which sets the value kernel's NBJ)
+    that fit the shape."""
+    keys = ("VALUE_BJ", "BLOCK_P", "chunk_warps", "chunk_stages", "KEY_BJ")
+    for values in itertools.product(*(SPACE.params[k] for k in keys)):
+        config = {**lane.DEFAULTS, **dict(zip(keys, values))}
+        if lane.config_reason(config, shape) is None:
+            yield config
+
+
+def test_the_value_side_is_exact_at_every_named_shape():
+    """smem_kernels gives the value side's figure as exact (smem_inexact leaves it out) for every
+    value-side tile of the sweep at every named shape on both targets; the compiles below check it."""
     for name in NAMED:
         sh = space.get_shape("mamba_bwd_bwd", name)
-        for bj, bp in itertools.product(SPACE.params["VALUE_BJ"], SPACE.params["BLOCK_P"]):
-            config = {**lane.DEFAULTS, "VALUE_BJ": bj, "BLOCK_P": bp}
-            if lane.config_reason(config, sh) is None:
-                assert lane.smem_kernels(config, sh, "sm_121a")["value"] <= GB10_LIMIT, (name, config)
+        for config in _value_tiles(sh):
+            for target in TARGETS:
+                assert "value" not in lane.smem_inexact(config, sh, target), (name, config, target)
+
+
+def _value_smem(config: dict, shape: dict, target: str) -> tuple[int, int]:
+    """(estimate, compiled) shared memory of the value kernel alone."""
+    return (lane.smem_kernels(config, shape, target)["value"],
+            lane.compile_kernel("value", config, shape, target)["smem_bytes"])
+
+
+# One case per branch and term of the value side's model (smem_kernels), where that term gives the
+# figure: shape, target, (VALUE_BJ, BLOCK_P, chunk_warps, chunk_stages).
+_VALUE_CASES = [
+    ("h100_tuned", "sm_90a", (16, 32, 16, 1)),             # split wgmma: khds' conversion, 512 B a warp
+    ("grid_n128_p64_r8_c8", "sm_90a", (16, 32, 8, 1)),     # split wgmma: dpsiv's conversion (R = 8)
+    ("gb10", "sm_90a", (32, 32, 8, 2)),                    # split wgmma, one-step N loops: cp.async buffers
+    ("h100_tuned", "sm_90a", (16, 32, 4, 1)),              # 4-warp wgmma: dpsiv's conversion
+    ("grid_n128_p64_r1_c64", "sm_90a", (16, 16, 4, 1)),    # 4-warp wgmma, R = 1: an fp32 [F, F] conversion
+    ("gb10", "sm_90a", (32, 16, 4, 2)),                    # 4-warp wgmma, one step: buffers, no dpsiv conversion
+    ("h100_tuned", "sm_121a", (32, 16, 8, 1)),             # mma.sync: k_hat and q_hat tiles
+    ("grid_n128_p128_r4_c8", "sm_90a", (16, 32, 4, 1)),    # mma.sync on sm_90a (C*R = 32): dpsiv's conversion
+    ("gqa_plain_rd2", "sm_121a", (16, 32, 8, 1)),          # mma.sync, unreduced DOUT: dy staged
+    ("gqa_plain_rd2", "sm_121a", (32, 32, 8, 2)),          # mma.sync, one step, unreduced DOUT
+    ("grid_n32_p64_r4_c16", "sm_121a", (16, 32, 4, 2)),    # mma.sync, one step: tiles and buffers
+]
+
+
+@pytest.mark.parametrize("shape,target,tile", _VALUE_CASES)
+def test_value_smem_is_the_compilers(shape, target, tile):
+    """The value kernel compiled alone: its shared memory is smem_kernels' figure."""
+    sh = space.get_shape("mamba_bwd_bwd", shape)
+    config = {**lane.DEFAULTS, **dict(zip(("VALUE_BJ", "BLOCK_P", "chunk_warps", "chunk_stages"), tile))}
+    assert lane.config_reason(config, sh) is None
+    est, got = _value_smem(config, sh, target)
+    assert est == got, (shape, target, config, est, got)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape,target", list(itertools.product(NAMED, TARGETS)))
+def test_value_smem_is_the_compilers_for_every_value_tile(shape, target):
+    """The value side's figure equals the compiler's for every value-side tile of the sweep (and both
+    KEY_BJ) at every named shape, both targets."""
+    sh = space.get_shape("mamba_bwd_bwd", shape)
+    wrong = []
+    for config in _value_tiles(sh):
+        est, got = _value_smem(config, sh, target)
+        if est != got:
+            wrong.append((config, est, got))
+    assert not wrong, wrong

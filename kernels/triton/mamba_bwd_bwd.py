@@ -459,6 +459,11 @@ def build(config: dict, shape: dict):
     return run
 
 
+def _value_modelled(shape: dict) -> bool:
+    """Shapes where smem_kernels' value-side figure is the compiler's (C*R probed: 32 and 64)."""
+    return shape["C"] * shape["R"] in (32, 64)
+
+
 def smem_kernels(config: dict, shape: dict, target: str) -> dict:
     """Shared memory per CTA of each kernel, bytes, as Triton 3.6 allocates it in compile_for (model
     and limits in smem_estimate). e: bytes of a GEMM operand (bf16 / fp16); fp32 tiles are 4 bytes."""
@@ -511,15 +516,34 @@ def smem_kernels(config: dict, shape: dict, target: str) -> dict:
     else:
         key = 4 * F * F + 4 * F * bj + (c["chunk_stages"] - 1) * 3 * 4 * R * c["KEY_BP"]
 
-    # Value side: an upper bound (smem_inexact). It loads q_hat / k_hat as the key side wrote them
-    # (bf16 / fp16 loads: no cp.async buffers), so what it stages is operands and layout-conversion
-    # scratch whose lifetimes Triton's allocator overlaps differently per warp count and shape: at
-    # most the fp32 [F, F] accumulator's conversion (twice on sm_90a, where lkq and dkq change
-    # wgmma layouts), the [F, VALUE_BJ] and [F, BLOCK_P] operands and two [VALUE_BJ, BLOCK_P] dS
-    # tiles. Checked against 537 AOT compiles (C*R = 16 to 128, both targets, every value-side
-    # tunable): compiled / bound 0.46-0.78 at worst per C*R and target.
-    bj, bp = c["VALUE_BJ"], c["BLOCK_P"]
-    value = 4 * F * F * (1 + sm90) + e * F * (bj + bp) + 2 * e * bj * bp
+    # Value side, bytes (the compiler's figure where _value_modelled, else a bound: smem_inexact).
+    # ff = e F F: diag_t, staged all kernel long (lkq_m too with split warps); kt = e F VALUE_BJ: a
+    # k_hat / q_hat tile; ds = e VALUE_BJ BLOCK_P: a dS tile; dy = e F BLOCK_P: dy's operand; acc =
+    # 4 F BLOCK_P: an fp32 [F, BLOCK_P] conversion (khds' on split wgmma, 512 a warp at most; dpsiv's
+    # for D * dy where dy's layout differs); 4 F F: an fp32 [F, F] conversion; pipe: cp.async
+    # buffers of the fp32 [R, BLOCK_P] loads (PSI, MIMO_O, MIMO_Z; two a load where the tile has
+    # fewer elements than threads), only with one-step N loops (VALUE_BJ = N/2): a P loop that
+    # nests a loop is not pipelined.
+    bj, bp, w, st = c["VALUE_BJ"], c["BLOCK_P"], c["chunk_warps"], c["chunk_stages"]
+    reduce_o = bool(shape["reduceO"])
+    ff, kt, ds, dy, acc = e * F * F, e * F * bj, e * bj * bp, e * F * bp, 4 * F * bp
+    one = bj == shape["N"] // 2
+    spread = R * bp >= 32 * w            # an [R, BLOCK_P] tile has an element per thread
+    pipe = (st - 1) * (1 + bool(shape["hasZ"]) + reduce_o) * 4 * R * bp * (1 if spread else 2) if one else 0
+    dpsiv = acc if shape["hasD"] and (R == 1 or spread) and not (one and st > 1) else 0
+    on, split = wgmma(F, w)
+    if not _value_modelled(shape):
+        value = 4 * F * F * (1 + sm90) + e * F * (bj + bp) + 2 * e * bj * bp
+    elif split and one:
+        value = max(ff + dy + max(kt + ds, mma_cvt(acc, w)) + pipe, ff + dy + dpsiv, 4 * F * F)
+    elif split:
+        value = max(2 * ff + dy + mma_cvt(acc, w) + kt + ds, 2 * ff + dy + dpsiv)
+    elif on:
+        value = max(ff + 2 * kt, ff + dy + kt + ds + pipe, ff + dy + dpsiv, 4 * F * F * (R == 1))
+    elif one:
+        value = max(2 * kt, kt + ds + pipe, dpsiv, ff * (w >= 8), (2 * dy + pipe) * (not reduce_o))
+    else:
+        value = max(ff + 2 * kt, ff + dpsiv, 4 * F * F * (R == 1), (ff + 2 * dy) * (not reduce_o))
 
     return {"scan": scan, "key": key, "value": value, "reduce": 0}   # reduce: registers only
 
@@ -536,7 +560,8 @@ def smem_inexact(config: dict, shape: dict, target: str) -> set:
         out.add("scan")           # a layout conversion's scratch (rounds per warp count) decides
     if F < 32 or c["KEY_BP"] == shape["P"]:
         out.add("key")            # C*R = 16: the P loop's buffers decide; one P step: its layouts change
-    out.add("value")              # always: smem_kernels bounds it from above
+    if not _value_modelled(shape):
+        out.add("value")          # C*R outside 32 and 64: not probed, the bound stands
     return out
 
 
@@ -552,13 +577,15 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
     128) except where smem_inexact names them: the scan at scan_stages = 1 or where its dS / dy layout
     conversion outweighs the q_hat^T operand (that scratch depends on how many rounds the conversion
     takes: up to 6 KB high with 2+ stages, 14 KB with one); the key side at C*R = 16 or KEY_BP = P.
-    At the named shapes the scan's bound gives the largest figure only at grid_n128_p128_r4_c8 with
-    SCAN_BP >= 64.
-    The value side's figure is always an upper bound (smem_kernels), so the estimate is exact where
-    the scan or the key side gives it and a bound elsewhere. The bound never decides feasibility: at
-    C*R <= 128 it stays under GB10's 101,376 B (at most 28,672 B at C*R = 64 for sm_121a), and the
-    preflight's compile (check 4) gives the exact figure. Not modelled: C*R >= 256 (over every
-    device's limit)."""
+    At the named shapes (over the sweep space) the scan's bound gives the largest figure only with
+    SCAN_BP >= 64 (on sm_90a only at grid_n128_p128_r4_c8, and at training with SCAN_BP = 128), or at
+    grid_n128_p128_r4_c8 with SCAN_BJ = 32; the key side's never does.
+    The value side's figure equals the compiler's at C*R = 32 and 64 (every named shape): probed on
+    both targets over the sweep's value-side tunables (VALUE_BJ, BLOCK_P, chunk_warps, chunk_stages;
+    KEY_BJ, which sets its NBJ) at every named shape, in bf16 and fp16. At other C*R it is an upper
+    bound (smem_inexact; it held at C*R = 16 and 128 in 192 probes). So at the named shapes the
+    estimate is exact except where the scan's bound gives it (above). Not modelled: C*R >= 256 (over
+    every device's limit)."""
     return max(smem_kernels(config, shape, target).values())
 
 
@@ -579,11 +606,16 @@ def _signatures(shape: dict) -> dict:
 _FNS = {"scan": _scan, "key": _chunk_k, "value": _chunk_v, "reduce": _reduce}
 
 
+def compile_kernel(name: str, config: dict, shape: dict, target: str) -> dict:
+    """One of the four kernels ("scan", "key", "value", "reduce") for ``target`` (no GPU)."""
+    config = {**DEFAULTS, **config}
+    return _common.aot(_FNS[name], _signatures(shape)[name], _kernel_consts(config, shape)[name], target,
+                       _warps(config)[name])
+
+
 def compile_for(config: dict, shape: dict, target: str) -> dict:
     """The four kernels for ``target`` (no GPU); smem_bytes / registers are the largest of them."""
-    config = {**DEFAULTS, **config}
-    sig, kc, warps = _signatures(shape), _kernel_consts(config, shape), _warps(config)
-    per = {name: _common.aot(fn, sig[name], kc[name], target, warps[name]) for name, fn in _FNS.items()}
+    per = {name: compile_kernel(name, config, shape, target) for name in _FNS}
     return {"smem_bytes": max(v["smem_bytes"] for v in per.values()),
             "registers": max(v["registers"] or 0 for v in per.values()) or None,
             "compile_s": sum(v["compile_s"] for v in per.values()), "binary": "cubin", "kernels": per}
