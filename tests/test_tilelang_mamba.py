@@ -130,7 +130,7 @@ def test_scan_with_the_aggressive_merge_is_a_hazard_and_refused():
     program = lane._scan_program(cfg, GB10)
     merged = tl.lower(program, "sm_90a", tl.pass_configs(False, False, True, True))
     hazards = smem_plan.alias_hazards(program, merged.kernel_source)
-    assert {w for w, _ in hazards} == {"dy_s"} and {"z_raw", "do_raw"} & {r for _, r in hazards}, hazards
+    assert {"z_raw", "do_raw"} & {r for w, r in hazards if w == "dy_s"}, hazards
     with pytest.raises(RuntimeError, match="computes garbage"):
         lane._check_layout("scan", program, merged.kernel_source)
     assert not lane._pass_configs(cfg, "scan").get("tl.enable_aggressive_shared_memory_merge")
@@ -260,6 +260,7 @@ def _barriers_in_elementwise_loops(source: str) -> int:
     return count
 
 
+@pytest.mark.slow      # pins generated text (issue 26): run before a GPU session, `pytest -m slow`
 @pytest.mark.parametrize("kernel,shape,seed", [("scan", "training", 1), ("chunk", "gb10", 2)])
 def test_rotary_gathers_lower_without_barriers_per_element(kernel, shape, seed):
     """The rotary partner of column n is column (n + N/2) mod N. Written as a select between n + N/2 and
