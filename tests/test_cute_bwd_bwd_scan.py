@@ -15,9 +15,10 @@ import pytest
 
 from lab import space
 from kernels.cute import _bwd_bwd_scan as scan
+from kernels.cute import mamba_bwd_bwd as lane
 
 ROOT = str(Path(__file__).resolve().parent.parent)
-TILES = ({"SCAN_BJ": 16, "SCAN_BP": 32}, {"SCAN_BJ": 32, "SCAN_BP": 64})
+TILES = ({**lane.DEFAULTS, "SCAN_BJ": 16, "SCAN_BP": 32}, {**lane.DEFAULTS, "SCAN_BJ": 32, "SCAN_BP": 64})
 
 
 @pytest.mark.parametrize("target", ["sm_90a", "sm_121a"])
