@@ -298,6 +298,8 @@ def _scan_program(config: dict, shape: dict):
                     r = f % R
                     n = n0 + j
                     m = n % half
+                    # Modulo, not a select of n +- N/2: TileLang 0.1.15 puts a barrier in every step of a
+                    # gather indexed by a select (tests/test_tilelang_mamba.py, rotary gathers).
                     partner = (n + half) % N
                     x = T.cast(q_raw[t, r, n], F32) + qb_s[r, n]
                     y = T.cast(q_raw[t, r, partner], F32) + qb_s[r, partner]
