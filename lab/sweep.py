@@ -334,6 +334,9 @@ class Sweep:
         if req.sampler == "grid" and space.size > GRID_LIMIT:
             raise LabError(f"--sampler grid over {space.size:,} configs of {space.source} (at most {GRID_LIMIT:,}): "
                            f"use tpe or random")
+        # A new study (new code, new space) takes the sweep file's seeds too, after the request's: a
+        # gate --run on a branch measures the seeds the branch added with its first --trials.
+        fresh = not study.get_trials(deepcopy=False)
         seeded: set[str] = set()  # keys of the request's seeds (gate --run: the previous best)
         for seed_cfg in req.seeds.get((lane.dsl, shape_name), []):  # e.g. the gate's previous best configs
             # A trial holds only the space's params, each one of its listed values: a seed's other keys
@@ -348,7 +351,7 @@ class Sweep:
                 continue
             study.enqueue_trial(cfg, skip_if_exists=True)
             seeded.add(space_mod.config_key(cfg))
-        if not study.get_trials(deepcopy=False):
+        if fresh:
             for seed_cfg in space.seeds:  # known-good starting points from the sweep file
                 study.enqueue_trial(seed_cfg, skip_if_exists=True)
             if req.sampler == "grid":

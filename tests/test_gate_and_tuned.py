@@ -508,3 +508,24 @@ def test_gate_run_trials_are_new_configs_after_the_previous_best(lab_env, trials
     new = after[(after["phase"] == "sweep") & (after["run_id"] != "previous") & (after["status"] != "infeasible")]
     assert len(new) == trials + 1 and json.loads(new.sort_values("trial")["config_json"].iloc[0]) == \
         registry.get("sim", "gemm").full_config(SIM_BEST)
+
+
+def test_gate_run_measures_the_sweep_files_seeds_after_the_previous_best(lab_env):
+    """A branch that adds a seed to the sweep file gets it measured by `gate --run --trials 1`: the new
+    study takes the request's seed (the previous best) and then the file's (before, the previous best
+    made the study look resumed and the file's seeds were never enqueued: an UNROLL seed of the CuTe
+    bwd_bwd went unmeasured by such a gate, run 20261126T104424Z-mamba_bwd_bwd-h100-1611)."""
+    from lab import gate_run
+    from tests.test_sweep_engine import present_h100
+    seed = {"MODE": "ok", "SMEM_KB": 64, "SPEED": 2, "ESTIMATE_BIAS_KB": 0}
+    with open(lab_env.sweeps / "gemm" / "sim.toml", "a") as f:
+        f.write("\n[[seed]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in seed.items()))
+    registry._LANES.clear()
+    df = _committed_sim_row(lab_env, SIM_BEST, {"tests/fake_lanes/sim/gemm.py": "old"})
+    lines = []
+    assert gate_run.refresh(df, present_h100(), kernels=["gemm"], dsls=["sim"], trials=1,
+                            results_dir=lab_env.results, runner=ABRunner(1.0), out=lines.append) == 0, lines
+    after = results.load(lab_env.results)
+    new = after[(after["phase"] == "sweep") & (after["run_id"] != "previous")].sort_values("trial")
+    sim = registry.get("sim", "gemm")
+    assert [json.loads(c) for c in new["config_json"]] == [sim.full_config(SIM_BEST), sim.full_config(seed)], lines
