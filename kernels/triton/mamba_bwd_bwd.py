@@ -482,18 +482,18 @@ def smem_kernels(config: dict, shape: dict, target: str) -> dict:
         """Scratch of an accumulator's conversion between two wgmma layouts: 16 B per thread a round."""
         return min(512 * warps, nbytes)
 
-    # Scan. Per pipeline stage beyond the first (num_stages = scan_stages), the fp32 loads of its chunk
-    # loop cp.async buffers (bf16 / fp16 loads, of unknown alignment in an AOT compile, are not
-    # pipelined): angles [F, BJ], DA_CS rows [F] and the last step's, MIMO_O / MIMO_Z [R, BP] when
-    # present. Plus the body's largest staging buffer: the q_hat^T operand [BJ, F] (e); with wgmma
-    # (SCAN_BJ = 64, 4+ warps on sm_90a) with it exp(DA) dy [F, BP] or the dS tile's conversion
-    # [BJ, BP] (e); else the layout conversions of the dS tile and of dy's rows [C or F, BP] (e) at
-    # full size, and with one stage those of q and the angles [F, BJ] (fp32): upper bounds where they
-    # decide (smem_inexact).
+    # Scan, bytes. stage (one per pipeline stage beyond the first): cp.async buffers of the chunk loop's
+    # fp32 loads (bf16 / fp16 loads, of unknown alignment in an AOT compile, are not pipelined): angles
+    # 4 F BJ, DA_CS rows 4 F and the last step's 4, MIMO_O / MIMO_Z 4 R BP each when present. body:
+    # with wgmma (SCAN_BJ = 64, 4+ warps on sm_90a) exp(DA) dy's operand e F BP plus the larger of the
+    # q_hat^T operand e BJ F and the dS tile's conversion e BJ BP; else the largest of e BJ F, the dS
+    # tile's conversion e BJ BP and dy's rows' e (C or F) BP, those conversions at full size (upper
+    # bounds where they decide: they take rounds). One stage: the larger of body and q's / the angles'
+    # fp32 conversion 4 F BJ, an upper bound (smem_inexact).
     bj, bp, w, st = c["SCAN_BJ"], c["SCAN_BP"], c["scan_warps"], c["scan_stages"]
     stage = 4 * F * bj + 4 * F + 4 + 4 * R * bp * (bool(shape["hasZ"]) + bool(shape["reduceO"]))
     if wgmma(bj, w)[0]:
-        body = e * bj * F + e * max(F, bj) * bp
+        body = e * F * bp + max(e * bj * F, e * bj * bp)
     else:
         body = max(e * bj * F, e * bj * bp, e * (C if shape["reduceO"] else F) * bp)
     scan = (st - 1) * stage + (max(body, 4 * F * bj) if st == 1 else body)
@@ -556,7 +556,7 @@ def smem_inexact(config: dict, shape: dict, target: str) -> set:
     scan_wgmma = _common.cc(target) == 90 and bj % 64 == 0 and c["scan_warps"] >= 4
     dy_rows = shape["C"] if shape["reduceO"] else F
     out = set()
-    if c["scan_stages"] == 1 or (bj > F if scan_wgmma else bj * F < max(bj, dy_rows) * bp):
+    if c["scan_stages"] == 1 or (not scan_wgmma and bj * F < max(bj, dy_rows) * bp):
         out.add("scan")           # a layout conversion's scratch (rounds per warp count) decides
     if F < 32 or c["KEY_BP"] == shape["P"]:
         out.add("key")            # C*R = 16: the P loop's buffers decide; one P step: its layouts change
@@ -574,12 +574,14 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
 
     The scan's and the key side's figures equal the compiler's for sm_90a and sm_121a
     (tests/test_triton_mamba.py; probed over every tunable at C*R = 16, 32 and 64, spot-checked at
-    128) except where smem_inexact names them: the scan at scan_stages = 1 or where its dS / dy layout
-    conversion outweighs the q_hat^T operand (that scratch depends on how many rounds the conversion
-    takes: up to 6 KB high with 2+ stages, 14 KB with one); the key side at C*R = 16 or KEY_BP = P.
-    At the named shapes (over the sweep space) the scan's bound gives the largest figure only with
-    SCAN_BP >= 64 (on sm_90a only at grid_n128_p128_r4_c8, and at training with SCAN_BP = 128), or at
-    grid_n128_p128_r4_c8 with SCAN_BJ = 32; the key side's never does.
+    128) except where smem_inexact names them: the scan at scan_stages = 1, or off sm_90a's wgmma path
+    where its dS / dy layout conversion outweighs the q_hat^T operand (that scratch depends on how many
+    rounds the conversion takes: up to 6 KB high with 2+ stages, 14 KB with one); the key side at
+    C*R = 16 or KEY_BP = P. On the wgmma path (SCAN_BJ = 64, 4+ warps) the scan's figure with 2+
+    stages is the compiler's at every named shape with N = 128, SCAN_BJ > C*R included. At the named
+    shapes (over the sweep space) the scan's bound gives the largest figure only with SCAN_BP >= 64 or
+    scan_stages = 1; on sm_90a only at grid_n128_p128_r4_c8 and at training (SCAN_BJ = 32,
+    SCAN_BP = 128, 3 stages). The key side's never does.
     The value side's figure equals the compiler's at C*R = 32 and 64 (every named shape): probed on
     both targets over the sweep's value-side tunables (VALUE_BJ, BLOCK_P, chunk_warps, chunk_stages;
     KEY_BJ, which sets its NBJ) at every named shape, in bf16 and fp16. At other C*R it is an upper
