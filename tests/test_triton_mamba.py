@@ -156,13 +156,24 @@ def _scan_bound_may_top(config: dict, shape: str, target: str) -> bool:
             and (target != "sm_90a" or shape in ("grid_n128_p128_r4_c8", "training")))
 
 
-def _scan_tiles(shape: dict):
-    """Configs over the sweep's scan tunables that fit the shape and the sweep's rule."""
-    keys = ("SCAN_BJ", "SCAN_BP", "scan_warps", "scan_stages")
+SCAN_KEYS = ("SCAN_BJ", "SCAN_BP", "scan_warps", "scan_stages")
+# The value side's tunables, and KEY_BJ, which sets the value kernel's NBJ.
+VALUE_KEYS = ("VALUE_BJ", "BLOCK_P", "chunk_warps", "chunk_stages", "KEY_BJ")
+
+
+def _tiles(shape: dict, keys: tuple):
+    """Configs over the sweep's values of ``keys`` (the lane's defaults elsewhere) that fit the shape
+    and the sweep's rule."""
     for values in itertools.product(*(SPACE.params[k] for k in keys)):
         config = {**lane.DEFAULTS, **dict(zip(keys, values))}
         if lane.config_reason(config, shape) is None and SPACE.rule_reason(config) is None:
             yield config
+
+
+def _kernel_smem(name: str, config: dict, shape: dict, target: str) -> tuple[int, int]:
+    """(estimate, compiled) shared memory of one kernel, compiled alone."""
+    return (lane.smem_kernels(config, shape, target)[name],
+            lane.compile_kernel(name, config, shape, target)["smem_bytes"])
 
 
 def test_the_scan_bound_tops_the_estimate_only_where_documented():
@@ -173,20 +184,14 @@ def test_the_scan_bound_tops_the_estimate_only_where_documented():
     for name in NAMED:
         sh = space.get_shape("mamba_bwd_bwd", name)
         rest = [_config(which, sh) for which in ("seed0", "seed1", "near_gb10")]
-        for scan, other, target in itertools.product(_scan_tiles(sh), rest, TARGETS):
-            config = {**other, **{k: scan[k] for k in ("SCAN_BJ", "SCAN_BP", "scan_warps", "scan_stages")}}
+        for scan, other, target in itertools.product(_tiles(sh, SCAN_KEYS), rest, TARGETS):
+            config = {**other, **{k: scan[k] for k in SCAN_KEYS}}
             bound = lane.smem_inexact(config, sh, target)
             if target == "sm_90a" and config["SCAN_BJ"] == 64 and config["scan_warps"] >= 4 and config["scan_stages"] > 1:
                 assert "scan" not in bound, (name, config)
             est = lane.smem_kernels(config, sh, target)
             top = max(est, key=est.get)
             assert top not in bound or (top == "scan" and _scan_bound_may_top(config, name, target)), (name, target, config, est)
-
-
-def _scan_smem(config: dict, shape: dict, target: str) -> tuple[int, int]:
-    """(estimate, compiled) shared memory of the scan kernel alone."""
-    return (lane.smem_kernels(config, shape, target)["scan"],
-            lane.compile_kernel("scan", config, shape, target)["smem_bytes"])
 
 
 # sm_90a's wgmma path (SCAN_BJ = 64, 4+ warps), 2+ stages: exp(DA) dy's operand plus the larger of the
@@ -205,7 +210,7 @@ def test_scan_smem_on_wgmma_is_the_compilers(shape, tile):
     config = {**lane.DEFAULTS, "SCAN_BJ": 64, **dict(zip(("SCAN_BP", "scan_warps", "scan_stages"), tile))}
     assert lane.config_reason(config, sh) is None and SPACE.rule_reason(config) is None
     assert "scan" not in lane.smem_inexact(config, sh, "sm_90a")
-    est, got = _scan_smem(config, sh, "sm_90a")
+    est, got = _kernel_smem("scan", config, sh, "sm_90a")
     assert est == got, (shape, config, est, got)
 
 
@@ -216,10 +221,10 @@ def test_scan_smem_with_stages_for_every_scan_tile(shape, target):
     named shape, both targets, or an upper bound where smem_inexact names the scan."""
     sh = space.get_shape("mamba_bwd_bwd", shape)
     wrong = []
-    for config in _scan_tiles(sh):
+    for config in _tiles(sh, SCAN_KEYS):
         if config["scan_stages"] == 1:
             continue
-        est, got = _scan_smem(config, sh, target)
+        est, got = _kernel_smem("scan", config, sh, target)
         if not (est >= got if "scan" in lane.smem_inexact(config, sh, target) else est == got):
             wrong.append((config, est, got))
     assert not wrong, wrong
@@ -261,30 +266,14 @@ def test_smem_estimate_on_random_configs(target, compiled):
         _check_estimate(config, sh, target, compiled(lane, config, sh, target))
 
 
-def _value_tiles(shape: dict):
-    """Configs over the sweep's value-side tunables (and KEY_BJ, which sets the value kernel's NBJ)
-    that fit the shape."""
-    keys = ("VALUE_BJ", "BLOCK_P", "chunk_warps", "chunk_stages", "KEY_BJ")
-    for values in itertools.product(*(SPACE.params[k] for k in keys)):
-        config = {**lane.DEFAULTS, **dict(zip(keys, values))}
-        if lane.config_reason(config, shape) is None:
-            yield config
-
-
 def test_the_value_side_is_exact_at_every_named_shape():
     """smem_kernels gives the value side's figure as exact (smem_inexact leaves it out) for every
     value-side tile of the sweep at every named shape on both targets; the compiles below check it."""
     for name in NAMED:
         sh = space.get_shape("mamba_bwd_bwd", name)
-        for config in _value_tiles(sh):
+        for config in _tiles(sh, VALUE_KEYS):
             for target in TARGETS:
                 assert "value" not in lane.smem_inexact(config, sh, target), (name, config, target)
-
-
-def _value_smem(config: dict, shape: dict, target: str) -> tuple[int, int]:
-    """(estimate, compiled) shared memory of the value kernel alone."""
-    return (lane.smem_kernels(config, shape, target)["value"],
-            lane.compile_kernel("value", config, shape, target)["smem_bytes"])
 
 
 # One case per branch and term of the value side's model (smem_kernels), where that term gives the
@@ -310,7 +299,7 @@ def test_value_smem_is_the_compilers(shape, target, tile):
     sh = space.get_shape("mamba_bwd_bwd", shape)
     config = {**lane.DEFAULTS, **dict(zip(("VALUE_BJ", "BLOCK_P", "chunk_warps", "chunk_stages"), tile))}
     assert lane.config_reason(config, sh) is None
-    est, got = _value_smem(config, sh, target)
+    est, got = _kernel_smem("value", config, sh, target)
     assert est == got, (shape, target, config, est, got)
 
 
@@ -321,8 +310,8 @@ def test_value_smem_is_the_compilers_for_every_value_tile(shape, target):
     KEY_BJ) at every named shape, both targets."""
     sh = space.get_shape("mamba_bwd_bwd", shape)
     wrong = []
-    for config in _value_tiles(sh):
-        est, got = _value_smem(config, sh, target)
+    for config in _tiles(sh, VALUE_KEYS):
+        est, got = _kernel_smem("value", config, sh, target)
         if est != got:
             wrong.append((config, est, got))
     assert not wrong, wrong
