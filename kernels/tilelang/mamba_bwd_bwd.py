@@ -451,8 +451,8 @@ def _chunk_macros(shape: dict):
             m = n % half
             partner = (n + half) % N
             sgn = T.if_then_else(n < half, 1.0, -1.0)
-            cs = cos_s[f // R, T.min(m, nr - 1)]
-            sn = sin_s[f // R, T.min(m, nr - 1)]
+            cs = cos_s[f // R, m % nr]
+            sn = sin_s[f // R, m % nr]
             out[f, n] = T.if_then_else(m < nr, g_s[f, n] * cs + sgn * g_s[f, partner] * sn, g_s[f, n])
 
     @T.macro
@@ -574,8 +574,8 @@ def _classic_chunk_program(config: dict, shape: dict):
                 mm = n % half
                 partner = (n + half) % N
                 sgn = T.if_then_else(n < half, -1.0, 1.0)
-                cs = cos_s[f // R, T.min(mm, nr - 1)]
-                sn = sin_s[f // R, T.min(mm, nr - 1)]
+                cs = cos_s[f // R, mm % nr]
+                sn = sin_s[f // R, mm % nr]
                 xq = T.cast(qp_s[f, n], F32)
                 yq = T.cast(qp_s[f, partner], F32)
                 xk = T.cast(kp_s[f, n], F32)
@@ -673,8 +673,8 @@ def _rotated_chunk_program(config: dict, shape: dict):
         for f, j in T.Parallel(F, half):
             x0 = T.cast(X[b, t0 + f // R, f % R, hq, j], F32) + X_BIAS[h, f % R, j]
             x1 = T.cast(X[b, t0 + f // R, f % R, hq, half + j], F32) + X_BIAS[h, f % R, half + j]
-            cs = _cos(cos_s, ANGLES, b, t0, h, f // R, T.min(j, nr - 1))
-            sn = _sin(sin_s, ANGLES, b, t0, h, f // R, T.min(j, nr - 1))
+            cs = _cos(cos_s, ANGLES, b, t0, h, f // R, j % nr)
+            sn = _sin(sin_s, ANGLES, b, t0, h, f // R, j % nr)
             lo_s[f, j] = T.if_then_else(j < nr, x0 * cs - x1 * sn, x0)
             hi_s[f, j] = T.if_then_else(j < nr, x0 * sn + x1 * cs, x1)
 
@@ -700,8 +700,8 @@ def _rotated_chunk_program(config: dict, shape: dict):
     def rotate_back_out(lo_f, hi_f, cos_s, sin_s, ANGLES, OUT, b, t0, row0, h):
         """OUT[row0 + f, h, :] = rot^T of the pair (lo, hi) of the chunk's steps t0.., in the output dtype."""
         for f, j in T.Parallel(F, half):
-            cs = _cos(cos_s, ANGLES, b, t0, h, f // R, T.min(j, nr - 1))
-            sn = _sin(sin_s, ANGLES, b, t0, h, f // R, T.min(j, nr - 1))
+            cs = _cos(cos_s, ANGLES, b, t0, h, f // R, j % nr)
+            sn = _sin(sin_s, ANGLES, b, t0, h, f // R, j % nr)
             OUT[b, row0 + f, h, j] = T.if_then_else(j < nr, lo_f[f, j] * cs + hi_f[f, j] * sn, lo_f[f, j])
             OUT[b, row0 + f, h, half + j] = T.if_then_else(j < nr, hi_f[f, j] * cs - lo_f[f, j] * sn,
                                                                     hi_f[f, j])
