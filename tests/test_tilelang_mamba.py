@@ -101,6 +101,7 @@ def test_new_variants_compile_to_cubins(target, shape_name, config):
     {"chunk_form": "classic", "lkq_fp32": True, "tma": True},
     {"chunk_form": "rotated", "lkq_fp32": True, "threads": 512},
     {"chunk_form": "rotated", "lean_smem": True, "aggressive_smem_merge": False},
+    {"chunk_form": "rotated", "lean_smem": True, "stage_out": True},      # DQ / DK staged: 14 KiB more here
 ])
 def test_chunk_estimate_equals_lowering_at_h100_tuned(target, config):
     shape = space.get_shape("mamba_bwd_bwd", "h100_tuned")

@@ -46,7 +46,9 @@ Tunables:
   global_tables       rotated form: exp(SEGSUM) and cos / sin of the angles read from global memory
                       where used instead of staged in shared fp32 tables (C*C*4 + 2*C*N/rd*4 bytes less:
                       32 KiB at C = 64, N = 128)
-  swizzle             swizzled layouts for the chunk kernel's GEMM operand tiles
+  swizzle             swizzled layouts for the chunk kernel's GEMM operand tiles and its 16-bit tiles
+                      written from accumulators
+  stage_out           rotated form: DQ / DK staged in a shared F x N tile and stored in whole rows
   tma                 False sets tl.disable_tma_lower
   warp_specialized    False sets tl.disable_warp_specialized
   fast_math           True sets tl.enable_fast_math (fast exp/sin/cos)
@@ -68,9 +70,9 @@ from kernels.tilelang import _smem_plan as smem_plan
 DSL = "tilelang"
 KERNEL = "mamba_bwd_bwd"
 TUNABLES = ("chunk_form", "pieces", "threads", "min_blocks", "scan_threads", "scan_block_N", "scan_block_P", "scan_stages", "lkq_fp32",
-            "lean_smem", "global_tables", "swizzle", "tma", "warp_specialized", "fast_math", "aggressive_smem_merge")
+            "lean_smem", "global_tables", "swizzle", "stage_out", "tma", "warp_specialized", "fast_math", "aggressive_smem_merge")
 DEFAULTS = {"chunk_form": "classic", "pieces": 1, "threads": 256, "min_blocks": 1, "scan_threads": 128, "scan_block_N": 64, "scan_block_P": 32,
-            "scan_stages": 2, "lkq_fp32": False, "lean_smem": False, "global_tables": False, "swizzle": True, "tma": False,
+            "scan_stages": 2, "lkq_fp32": False, "lean_smem": False, "global_tables": False, "swizzle": True, "stage_out": False, "tma": False,
             "warp_specialized": False, "fast_math": True, "aggressive_smem_merge": True}
 TARGETS = tl.TARGETS
 DTYPES = ("float16", "bfloat16")
@@ -146,7 +148,8 @@ def _pass_configs(config: dict, kernel: str) -> dict:
 # The scan's T.Pipelined copies, in the order its prologue first touches them (TileLang 0.1.15).
 _SCAN_PIPELINED = ("st_raw", "ang_raw", "q_raw", "do_raw", "z_raw", "da_raw")
 # Config keys that change the shared buffers (or their alignment) of each kernel.
-_SMEM_KEYS = {"chunk": ("chunk_form", "threads", "lean_smem", "lkq_fp32", "global_tables", "aggressive_smem_merge", "tma"),
+_SMEM_KEYS = {"chunk": ("chunk_form", "threads", "lean_smem", "lkq_fp32", "global_tables", "stage_out", "aggressive_smem_merge",
+                        "tma"),
               "scan": ("scan_block_N", "scan_block_P", "scan_stages", "scan_threads", "tma")}
 
 
@@ -256,6 +259,9 @@ def _scan_program(config: dict, shape: dict):
             qh_s = T.alloc_shared((F, bn), dtype)
             dy_s = T.alloc_shared((F, bp), dtype)
             ds_s = T.alloc_shared((bn, bp), dtype)
+            # ds_s is written and st_raw read in the dS accumulator's fragment layout: row-major, rows of
+            # bp * 2 bytes put the 8 rows a warp touches at once in one bank (ncu, H100: 9.3-way store conflicts).
+            T.annotate_layout({buf: tilelang.layout.make_swizzled_layout(buf) for buf in (ds_s, st_raw)})
             ds_f = T.alloc_fragment((bn, bp), F32)
             prod_f = T.alloc_fragment((bn, bp), F32)
             row_f = T.alloc_fragment((bn,), F32)
@@ -324,6 +330,13 @@ def _scan_program(config: dict, shape: dict):
                 T.copy(ds_f, DS_CARRY[b, h, n0:n0 + bn, p0:p0 + bp])
 
     return scan
+
+
+def _fragment_written(dtype: str, *bufs):
+    """The 16-bit ones among shared tiles written from GEMM accumulator fragments: swizzled with the GEMM
+    operands, since row-major rows of 128+ bytes put the 8 rows a warp stores at once in one bank (ncu,
+    H100, training shape: 4.6-way conflicts on the chunk kernel's shared stores)."""
+    return [buf for buf in bufs if buf is not None and buf.dtype == dtype]
 
 
 def _pieces(config: dict, shape: dict) -> int:
@@ -547,7 +560,8 @@ def _classic_chunk_program(config: dict, shape: dict):
             ang_s = T.alloc_shared((F, nr), F32)
             if config["swizzle"]:
                 T.annotate_layout({buf: tilelang.layout.make_swizzled_layout(buf)
-                                   for buf in (qp_s, qh_s, kp_s, kh_s, psiv_s, dy_s, st_s, ds_s, w_s, wd_s)})
+                                   for buf in (qp_s, qh_s, kp_s, kh_s, psiv_s, dy_s, st_s, ds_s, w_s, wd_s,
+                                               *_fragment_written(dtype, prod_s, dpsiv_s))})
 
             acc_fp = T.alloc_fragment((F, P), F32)
             acc_ff = T.alloc_fragment((F, F), F32)
@@ -697,14 +711,24 @@ def _rotated_chunk_program(config: dict, shape: dict):
             hi_f[f, j] = hi_f[f, j] * scale_s[f // R]
 
     @T.macro
-    def rotate_back_out(lo_f, hi_f, cos_s, sin_s, ANGLES, OUT, b, t0, row0, h):
-        """OUT[row0 + f, h, :] = rot^T of the pair (lo, hi) of the chunk's steps t0.., in the output dtype."""
+    def rotate_back_out(lo_f, hi_f, cos_s, sin_s, ANGLES, OUT, out_s, b, t0, row0, h):
+        """OUT[row0 + f, h, :] = rot^T of the pair (lo, hi) of the chunk's steps t0.., in the output dtype:
+        stored from the fragments, or (out_s given) staged in shared memory and copied out in whole rows
+        (from the fragments a warp's store covers 16 of each row's 128 bytes; ncu, H100: 19 of 32 bytes
+        per sector used)."""
         for f, j in T.Parallel(F, half):
             cs = _cos(cos_s, ANGLES, b, t0, h, f // R, j % nr)
             sn = _sin(sin_s, ANGLES, b, t0, h, f // R, j % nr)
-            OUT[b, row0 + f, h, j] = T.if_then_else(j < nr, lo_f[f, j] * cs + hi_f[f, j] * sn, lo_f[f, j])
-            OUT[b, row0 + f, h, half + j] = T.if_then_else(j < nr, hi_f[f, j] * cs - lo_f[f, j] * sn,
-                                                                    hi_f[f, j])
+            lo = T.if_then_else(j < nr, lo_f[f, j] * cs + hi_f[f, j] * sn, lo_f[f, j])
+            hi = T.if_then_else(j < nr, hi_f[f, j] * cs - lo_f[f, j] * sn, hi_f[f, j])
+            if out_s is None:
+                OUT[b, row0 + f, h, j] = lo
+                OUT[b, row0 + f, h, half + j] = hi
+            else:
+                out_s[f, j] = lo
+                out_s[f, half + j] = hi
+        if out_s is not None:
+            T.copy(out_s, OUT[b, row0:row0 + F, h, :])
 
     @T.prim_func
     def chunk(Q: sig["Q"], K: sig["K"], V: sig["V"], Q_BIAS: sig["Q_BIAS"], K_BIAS: sig["K_BIAS"],
@@ -748,10 +772,12 @@ def _rotated_chunk_program(config: dict, shape: dict):
             sin_s = None if config["global_tables"] else T.alloc_shared((C, nr), F32)
             qkd_s = T.alloc_shared((F, R), F32)
             ang_s = T.alloc_shared((F, nr), F32)
+            out_s = T.alloc_shared((F, N), dtype) if config["stage_out"] else None
             if config["swizzle"]:
                 T.annotate_layout({buf: tilelang.layout.make_swizzled_layout(buf)
                                    for buf in (qh_lo, qh_hi, kr_lo, kr_hi, psiv_s, dy_s, ds_lo, ds_hi, st_lo,
-                                               st_hi, w_s, wq_s, wd_s)})
+                                               st_hi, w_s, wq_s, wd_s,
+                                               *_fragment_written(dtype, prod_s, dpsiv_s, out_s))})
 
             acc_fp = T.alloc_fragment((F, P), F32)
             acc_ff = T.alloc_fragment((F, F), F32)
@@ -826,7 +852,7 @@ def _rotated_chunk_program(config: dict, shape: dict):
             scale_rows(lo_f, hi_f, fac_s)
             T.gemm(wd_s, qh_lo, lo_f)                                            # same-step terms
             T.gemm(wd_s, qh_hi, hi_f)
-            rotate_back_out(lo_f, hi_f, cos_s, sin_s, ANGLES, DK, b, t0, c * F, h)
+            rotate_back_out(lo_f, hi_f, cos_s, sin_s, ANGLES, DK, out_s, b, t0, c * F, h)
 
             # ---- dq_hat = exp(DA_CS) dy S_c^T + masked dkq^T k_hat; DDA_CS, DQ, DANGLES
             T.copy(STATES[b, h, c, 0:half, :], st_lo)
@@ -844,7 +870,7 @@ def _rotated_chunk_program(config: dict, shape: dict):
             m["angles_out"](b, t0, h, DANGLES, ang_s, ang_f)
             T.gemm(wd_s, kr_lo, lo_f, transpose_A=True)                          # same-step terms
             T.gemm(wd_s, kr_hi, hi_f, transpose_A=True)
-            rotate_back_out(lo_f, hi_f, cos_s, sin_s, ANGLES, DQ, b, t0, c * F, h)
+            rotate_back_out(lo_f, hi_f, cos_s, sin_s, ANGLES, DQ, out_s, b, t0, c * F, h)
 
     return chunk
 
