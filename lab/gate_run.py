@@ -142,11 +142,9 @@ def refresh(df: pd.DataFrame, present: PresentGPU | None, *, devices: list[str] 
         good = new_rows[(new_rows["status"] == "ok")] if not new_rows.empty else new_rows
         ab_runner = runner
         for shape in todo:
-            mine = good[good["shape"] == shape] if not good.empty else good
-            if mine.empty and not today.empty:
-                # The study had measured every config the re-sweep would (a re-check of a slower entry):
-                # today's code is represented by its fastest committed row.
-                mine = today[today["shape"] == shape]
+            # Today's code at this shape: its fastest row, of this re-sweep or committed before (a re-check
+            # of a slower entry re-measures only the seeds; its study's best may be an earlier trial).
+            mine = pd.concat([f[f["shape"] == shape] for f in (good, today) if not f.empty])
             if mine.empty:
                 why = " (no previous best at this shape, and --trials 0 asks for no new config)" \
                     if shape not in prev and trials == 0 else ""

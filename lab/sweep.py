@@ -334,8 +334,8 @@ class Sweep:
         if req.sampler == "grid" and space.size > GRID_LIMIT:
             raise LabError(f"--sampler grid over {space.size:,} configs of {space.source} (at most {GRID_LIMIT:,}): "
                            f"use tpe or random")
-        # A new study (new code, new space) takes the sweep file's seeds too, after the request's: a
-        # gate --run on a branch measures the seeds the branch added with its first --trials.
+        # The sweep file's seeds come after the request's, in a new study and in a resumed one (a seed
+        # added since is measured by the next run's first trials; one already measured is skipped).
         fresh = not study.get_trials(deepcopy=False)
         seeded: set[str] = set()  # keys of the request's seeds (gate --run: the previous best)
         for seed_cfg in req.seeds.get((lane.dsl, shape_name), []):  # e.g. the gate's previous best configs
@@ -351,9 +351,9 @@ class Sweep:
                 continue
             study.enqueue_trial(cfg, skip_if_exists=True)
             seeded.add(space_mod.config_key(cfg))
+        for seed_cfg in space.seeds:  # known-good starting points from the sweep file
+            study.enqueue_trial(seed_cfg, skip_if_exists=True)
         if fresh:
-            for seed_cfg in space.seeds:  # known-good starting points from the sweep file
-                study.enqueue_trial(seed_cfg, skip_if_exists=True)
             if req.sampler == "grid":
                 for cfg in space.configs():
                     study.enqueue_trial(cfg, skip_if_exists=True)

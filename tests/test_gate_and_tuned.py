@@ -529,3 +529,35 @@ def test_gate_run_measures_the_sweep_files_seeds_after_the_previous_best(lab_env
     new = after[(after["phase"] == "sweep") & (after["run_id"] != "previous")].sort_values("trial")
     sim = registry.get("sim", "gemm")
     assert [json.loads(c) for c in new["config_json"]] == [sim.full_config(SIM_BEST), sim.full_config(seed)], lines
+
+
+def test_gate_run_times_todays_fastest_row_not_only_this_runs(lab_env):
+    """The A/B's checkout side is today's code at its fastest config, committed rows included: a re-check
+    whose --trials measured only a slower seed once timed that seed against the previous best (cuTile
+    m2rnn_bwd at b4_n44, run 20261126T134510Z-m2rnn_bwd-h100-2919: 7.74 ms while the same code's committed
+    best there was 5.87 ms)."""
+    from lab import gate_run
+    from tests.test_sweep_engine import present_h100
+    registry._LANES.clear()
+    df = _committed_sim_row(lab_env, SIM_BEST, {"tests/fake_lanes/sim/gemm.py": "old"})
+    fast = {**SIM_BEST, "SMEM_KB": 32}
+    today = df.iloc[0].to_dict()
+    today.update(run_id="today", config_json=json.dumps(registry.get("sim", "gemm").full_config(fast)), time_ms=1e-6,
+                 versions_json=json.dumps({**json.loads(today["versions_json"]),
+                                           **identity.lane_identity("tests.fake_lanes.sim.gemm")}))
+    # ... and a later A/B that judged today's code SLOWER at the previous best's config: a re-check.
+    slower = {**today, "config_json": df.iloc[0]["config_json"], "time_ms": 2.0, "phase": "gate_checkout",
+              "study": "gate SLOWER", "time_utc": "2026-11-25T10:00:00Z"}
+    w = results.RunWriter(lab_env.results / "h100" / "gemm", "today")
+    w.add(today)
+    w.add(slower)
+    df = results.load(lab_env.results)
+    assert [e.status for e in gate.evaluate(df, devices=["h100"], kernels=["gemm"], dsls=["sim"])] == ["slower"]
+    runner = ABRunner(1.0)
+    seen = []
+    run = runner.run
+    runner.run = lambda task, t: (seen.append(task["lanes"][1][1]) if task.get("kind") == "abab" else None) or run(task, t)
+    lines = []
+    assert gate_run.refresh(df, present_h100(), kernels=["gemm"], dsls=["sim"], shapes=["tiny"], trials=0,
+                            results_dir=lab_env.results, runner=runner, out=lines.append) == 0, lines
+    assert seen == [registry.get("sim", "gemm").full_config(fast)], lines

@@ -370,3 +370,18 @@ def test_grid_measures_every_point_with_candidates_compiled_ahead(lab_env, prefe
     rows = load(lab_env.results)
     assert len(rows) == 8 and rows["config_json"].is_unique
     assert (rows["status"] == "ok").sum() == 6 and len(runner.seen) == 6  # SMEM_KB 200 > 99 KiB: infeasible
+
+
+def test_a_resumed_study_measures_a_seed_added_since_first(lab_env):
+    """A seed added to the sweep file after a study began is the resumed run's next trial (before, a
+    study with trials took no file seeds: the TileLang stage_out seed would have waited on the sampler)."""
+    from lab import sweep
+    runner = SimRunner()
+    sweep.run(_request(lab_env, sampler="tpe", trials=2, seed=5), present_h100(), runner=runner, out=lambda *_: None)
+    added = {"MODE": "ok", "SMEM_KB": 64, "SPEED": 2, "ESTIMATE_BIAS_KB": 0}
+    assert added not in [{k: c[k] for k in added} for c in runner.seen]
+    first = len(runner.seen)
+    with open(lab_env.sweeps / "gemm" / "sim.toml", "a") as f:
+        f.write("\n[[seed]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in added.items()))
+    sweep.run(_request(lab_env, sampler="tpe", trials=3, seed=6), present_h100(), runner=runner, out=lambda *_: None)
+    assert {k: runner.seen[first][k] for k in added} == added, runner.seen
