@@ -95,13 +95,16 @@ def test_new_variants_compile_to_cubins(target, shape_name, config):
         assert staged > GB10_LIMIT             # the staged tables would not fit at C = 64
 
 
-@pytest.mark.parametrize("target", ["sm_90a", "sm_121a"])
-@pytest.mark.parametrize("config", [
-    {"chunk_form": "classic", "aggressive_smem_merge": False, "threads": 128},
-    {"chunk_form": "classic", "lkq_fp32": True, "tma": True},
-    {"chunk_form": "rotated", "lkq_fp32": True, "threads": 512},
-    {"chunk_form": "rotated", "lean_smem": True, "aggressive_smem_merge": False},
-    {"chunk_form": "rotated", "lean_smem": True, "stage_out": True},      # DQ / DK staged: 14 KiB more here
+_STAGE_OUT = {"chunk_form": "rotated", "lean_smem": True, "stage_out": True}   # DQ / DK staged: 14 KiB more here
+
+
+@pytest.mark.parametrize("target,config", [
+    *((t, c) for t in ("sm_90a", "sm_121a") for c in (
+        {"chunk_form": "classic", "aggressive_smem_merge": False, "threads": 128},
+        {"chunk_form": "classic", "lkq_fp32": True, "tma": True},
+        {"chunk_form": "rotated", "lkq_fp32": True, "threads": 512},
+        {"chunk_form": "rotated", "lean_smem": True, "aggressive_smem_merge": False})),
+    ("sm_90a", _STAGE_OUT), pytest.param("sm_121a", _STAGE_OUT, marks=pytest.mark.slow),
 ])
 def test_chunk_estimate_equals_lowering_at_h100_tuned(target, config):
     shape = space.get_shape("mamba_bwd_bwd", "h100_tuned")
