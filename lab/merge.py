@@ -8,7 +8,8 @@ would keep only the last call's study databases. Merging instead:
     difference is a conflict, left untouched and reported;
   - study databases (``optuna.db``, SQLite) take the incoming studies they lack and, in studies both
     have, the incoming finished trials they lack (matched by state, params, values and start time;
-    trials still running or waiting belonged to a worker that is gone and are not copied);
+    trials still running or waiting belonged to a worker that is gone and are not copied, in a new
+    study as in one both have);
   - the call's log (``log.txt`` beside results.tgz, with ``env.txt`` before it) goes to
     ``results/logs/<first run id>-log.txt``, or ``<call start>-call-log.txt`` when it names no run;
   - files that ``lab report`` / ``lab export`` and the notebook regenerate are skipped; other files are
@@ -107,18 +108,23 @@ def merge_studies(src: Path, dst: Path, rel: str, out: Summary) -> None:
     have = {s.study_name for s in optuna.get_all_study_summaries(d_url)}
     for summary in optuna.get_all_study_summaries(s_url):
         name = summary.study_name
+        source = optuna.load_study(study_name=name, storage=s_url)
+        theirs = source.get_trials(deepcopy=False)
         if name not in have:
-            optuna.copy_study(from_study_name=name, from_storage=s_url, to_storage=d_url)
-            out.studies.append(f"{rel}: {name} ({summary.n_trials} trials)")
-            continue
-        theirs = optuna.load_study(study_name=name, storage=s_url).get_trials(deepcopy=False)
-        target = optuna.load_study(study_name=name, storage=d_url)
+            # A study new here takes the same finished trials as one both have: a trial waiting there
+            # (a seed that call queued and never ran) would run before the seeds a later run queues.
+            target = optuna.create_study(study_name=name, storage=d_url, directions=source.directions)
+            for key, value in source.user_attrs.items():
+                target.set_user_attr(key, value)
+            out.studies.append(f"{rel}: {name} ({sum(t.state.is_finished() for t in theirs)} trials)")
+        else:
+            target = optuna.load_study(study_name=name, storage=d_url)
         mine = {_trial_key(t) for t in target.get_trials(deepcopy=False)}
         new = [t for t in theirs if _trial_key(t) not in mine]
         done = [t for t in new if t.state in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)]
         for t in done:
             target.add_trial(t)
-        if done:
+        if done and name in have:
             out.trials.append(f"{rel}: {name}: {len(done)} trials")
             out.n_trials += len(done)
         if len(new) > len(done):

@@ -75,7 +75,7 @@ def test_two_calls_from_one_checkout_merge_without_losing_anything(tmp_path):
         _run(base, run, n=2)
         cdb = base / "h100" / "gemm" / "optuna.db"
         _study(cdb, "s1", _trial(float(x), x), _trial(0.0, 99, TrialState.RUNNING))
-        _study(cdb, other, _trial(5.0, 5))
+        _study(cdb, other, _trial(5.0, 5)).enqueue_trial({"x": 7})   # a seed that call queued, never ran
         (base / "report" / "report.md").write_text(f"report of {run}\n")
         if k == 1:
             (base / "notes.txt").write_text("changed there\n")
@@ -90,6 +90,7 @@ def test_two_calls_from_one_checkout_merge_without_losing_anything(tmp_path):
     s1 = _trials(db, "s1")
     assert sorted(t.params["x"] for t in s1) == [1, 2, 3]              # the running trials are not copied
     assert all(t.state == TrialState.COMPLETE for t in s1)
+    # A study new here takes only the finished trials: the waiting seed would run first in a later sweep.
     assert [t.params["x"] for t in _trials(db, "s2")] == [5] and [t.params["x"] for t in _trials(db, "s3")] == [5]
     assert (local / "logs" / "run-b-log.txt").read_text().startswith("2026-11-26T08:26:28Z\n")
     assert "run run-c: rows in" in (local / "logs" / "run-c-log.txt").read_text()
