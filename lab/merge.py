@@ -109,22 +109,22 @@ def merge_studies(src: Path, dst: Path, rel: str, out: Summary) -> None:
     for summary in optuna.get_all_study_summaries(s_url):
         name = summary.study_name
         source = optuna.load_study(study_name=name, storage=s_url)
-        theirs = source.get_trials(deepcopy=False)
-        if name not in have:
+        if name in have:
+            target = optuna.load_study(study_name=name, storage=d_url)
+        else:
             # A study new here takes the same finished trials as one both have: a trial waiting there
             # (a seed that call queued and never ran) would run before the seeds a later run queues.
             target = optuna.create_study(study_name=name, storage=d_url, directions=source.directions)
             for key, value in source.user_attrs.items():
                 target.set_user_attr(key, value)
-            out.studies.append(f"{rel}: {name} ({sum(t.state.is_finished() for t in theirs)} trials)")
-        else:
-            target = optuna.load_study(study_name=name, storage=d_url)
         mine = {_trial_key(t) for t in target.get_trials(deepcopy=False)}
-        new = [t for t in theirs if _trial_key(t) not in mine]
+        new = [t for t in source.get_trials(deepcopy=False) if _trial_key(t) not in mine]
         done = [t for t in new if t.state in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)]
         for t in done:
             target.add_trial(t)
-        if done and name in have:
+        if name not in have:
+            out.studies.append(f"{rel}: {name} ({len(done)} trials)")
+        elif done:
             out.trials.append(f"{rel}: {name}: {len(done)} trials")
             out.n_trials += len(done)
         if len(new) > len(done):

@@ -353,10 +353,9 @@ class Sweep:
             seeded.add(space_mod.config_key(cfg))
         for seed_cfg in space.seeds:  # known-good starting points from the sweep file
             study.enqueue_trial(seed_cfg, skip_if_exists=True)
-        if fresh:
-            if req.sampler == "grid":
-                for cfg in space.configs():
-                    study.enqueue_trial(cfg, skip_if_exists=True)
+        if fresh and req.sampler == "grid":
+            for cfg in space.configs():
+                study.enqueue_trial(cfg, skip_if_exists=True)
         dists = _distributions(space)
         measured: dict[str, float] = {}
         for t in study.get_trials(deepcopy=False):
