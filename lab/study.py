@@ -7,7 +7,8 @@ postgresql://...``); nothing here coordinates beyond what it stores:
   the study, and goes on only when no other live or measured trial carries that key. Both of two
   racing workers write before they read, so at least one sees the other: never both measure it
   (both may step back; the config stays free for a later proposal). One that steps back skips the
-  config (``taken``) or, when the other has measured it, records a duplicate of that value.
+  config (``taken``) or, when the other has measured it, records a duplicate of that value. A one-off
+  task (the confirm) cannot be left for a later proposal: ``claim_alone`` looks again after yielding.
 * A worker beats a heartbeat for each trial it holds (Optuna's heartbeat, every LAB_HEARTBEAT_S s). A
   trial whose worker fell silent for LAB_GRACE_S s is failed by the next worker that looks, and its
   config is enqueued again (retry_callback: a fresh trial, none of the dead one's tags), so a dead
@@ -145,6 +146,34 @@ def claim(study, trial, key: str):
     # Yield to any other claim, whatever its number: two racing workers both wrote before they read,
     # so at least one sees the other (both may yield; the config stays free for a later proposal).
     return min(others, key=lambda t: (t.state != optuna.trial.TrialState.COMPLETE, t.number), default=None)
+
+
+def claim_alone(study, key: str, beats=None, attempts: int = 6, pause_s: tuple[float, float] = (0.05, 0.5)):
+    """A new RUNNING trial of ``study`` that holds ``key`` alone, or None when another worker holds
+    it or has done it. For a one-off task (the confirm) where ``claim``'s "both may yield" would leave
+    it to nobody: a worker that yielded looks again after a random pause, and when no other claim of
+    ``key`` is live or done by then (the other yielded too) it claims anew. A worker looks again only
+    after its own claim has ended, so two yielded workers never both take the other for the owner.
+    ``beats`` (Heartbeats) beats for the held trial; the caller tells it."""
+    import optuna
+    live = (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.COMPLETE)
+    for _ in range(attempts):
+        trial = study.ask()
+        if beats is not None:
+            beats.start(trial)
+        owner = claim(study, trial, key)
+        if owner is None:
+            return trial
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        if beats is not None:
+            beats.stop(trial)
+        if owner.state == optuna.trial.TrialState.COMPLETE:
+            return None
+        time.sleep(random.uniform(*pause_s))
+        if any(t.user_attrs.get("claim") == key and (t.state == optuna.trial.TrialState.RUNNING
+                                                     or t.user_attrs.get("measured")) for t in trials(study, live)):
+            return None
+    return None
 
 
 def rank(study, trial) -> int:

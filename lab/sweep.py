@@ -593,13 +593,11 @@ class Sweep:
                                   for t in study_mod.trials(s, (optuna.trial.TrialState.COMPLETE,))) for s in studies}
         key = json.dumps({"best": sorted((lane.dsl, cfg) for lane, cfg, _, _ in best.values()), "trials": done},
                          sort_keys=True)
-        trial = claims.ask()
         beats = study_mod.Heartbeats(self._storage)
-        beats.start(trial)
         try:
-            if study_mod.claim(claims, trial, key) is not None:
-                self.out(f"confirm {shape_name}: already confirmed (this or another worker) for these best configs")
-                claims.tell(trial, state=optuna.trial.TrialState.FAIL)
+            trial = study_mod.claim_alone(claims, key, beats)
+            if trial is None:
+                self.out(f"confirm {shape_name}: confirmed or being confirmed by another worker for these best configs")
                 return
             self._confirm(shape_name, shape, best)
             trial.set_user_attr("measured", True)

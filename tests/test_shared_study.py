@@ -289,3 +289,56 @@ def test_fresh_cache_env_points_every_compile_cache_into_the_folder(tmp_path):
     for name in ("XDG_CACHE_HOME", "LAB_CACHE_DIR", "SOME_CACHE_DIR"):
         assert env[name].startswith(str(tmp_path) + "/"), (name, env[name])
     assert len({env["LAB_CACHE_DIR"], env["SOME_CACHE_DIR"], env["XDG_CACHE_HOME"]}) == 3
+
+
+def _claims_study(storage):
+    import optuna
+    return optuna.create_study(storage=lab_study.open_storage(storage), study_name="confirm-claims")
+
+
+def test_a_confirm_both_workers_yielded_is_claimed_again_not_left_to_nobody(storage):
+    """The race behind the flaky confirm: two workers claim the one confirm at once, each sees the
+    other and yields. The one that looks again after the other's claim ended takes it."""
+    import threading
+    import optuna
+    study = _claims_study(storage)
+    other = study.ask()
+    other.set_user_attr("claim", "confirm-key")          # the other worker's claim, live when we read
+    yielded = threading.Timer(0.1, lambda: study.tell(other, state=optuna.trial.TrialState.FAIL))
+    yielded.start()                                      # ... and it yields too, before we look again
+    trial = lab_study.claim_alone(study, "confirm-key", pause_s=(0.4, 0.4))
+    yielded.join()
+    assert trial is not None and trial.number != other.number
+    assert trial.user_attrs["claim"] == "confirm-key"
+
+
+def test_a_confirm_held_or_done_by_another_worker_is_not_claimed(storage):
+    import optuna
+    study = _claims_study(storage)
+    other = study.ask()
+    other.set_user_attr("claim", "held")                 # live all along: that worker confirms
+    assert lab_study.claim_alone(study, "held", pause_s=(0.0, 0.01)) is None
+    done = study.ask()
+    done.set_user_attr("claim", "done")
+    done.set_user_attr("measured", True)
+    study.tell(done, 0.0)
+    assert lab_study.claim_alone(study, "done", pause_s=(0.0, 0.01)) is None
+    assert lab_study.claim_alone(study, "free", pause_s=(0.0, 0.01)) is not None
+
+
+def test_racing_workers_claim_a_confirm_exactly_once(storage):
+    import threading
+    study = _claims_study(storage)
+    for round_ in range(4):
+        won, start = [], threading.Barrier(3)
+
+        def worker():
+            start.wait()
+            if lab_study.claim_alone(study, f"key-{round_}", pause_s=(0.01, 0.2)) is not None:
+                won.append(1)
+        threads = [threading.Thread(target=worker) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(won) == 1, (round_, won)
