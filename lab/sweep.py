@@ -597,7 +597,8 @@ class Sweep:
         try:
             trial = study_mod.claim_alone(claims, key, beats)
             if trial is None:
-                self.out(f"confirm {shape_name}: confirmed or being confirmed by another worker for these best configs")
+                self.out(f"confirm {shape_name}: confirmed before (an earlier run or another worker) or being "
+                         "confirmed now, for these best configs")
                 return
             self._confirm(shape_name, shape, best)
             trial.set_user_attr("measured", True)
