@@ -135,17 +135,23 @@ def trials(study, states=None) -> list:
     return storage.get_all_trials(storage.get_study_id_from_name(study.study_name), deepcopy=False, states=states)
 
 
+def _holders(study, key: str, but: int | None = None) -> list:
+    """Trials other than number ``but`` that hold ``key``: claimed and running, or measured."""
+    import optuna
+    live = (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.COMPLETE)
+    return [t for t in trials(study, live) if t.user_attrs.get("claim") == key and t.number != but
+            and (t.state == optuna.trial.TrialState.RUNNING or t.user_attrs.get("measured"))]
+
+
 def claim(study, trial, key: str):
     """None when ``trial`` now holds config ``key`` alone; else another trial that holds it (COMPLETE:
     measured, its value stands; RUNNING: another worker has it, or is claiming it right now)."""
     import optuna
     trial.set_user_attr("claim", key)
-    live = (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.COMPLETE)
-    others = [t for t in trials(study, live) if t.user_attrs.get("claim") == key and t.number != trial.number
-              and (t.state == optuna.trial.TrialState.RUNNING or t.user_attrs.get("measured"))]
     # Yield to any other claim, whatever its number: two racing workers both wrote before they read,
     # so at least one sees the other (both may yield; the config stays free for a later proposal).
-    return min(others, key=lambda t: (t.state != optuna.trial.TrialState.COMPLETE, t.number), default=None)
+    return min(_holders(study, key, trial.number),
+               key=lambda t: (t.state != optuna.trial.TrialState.COMPLETE, t.number), default=None)
 
 
 def claim_alone(study, key: str, beats=None, attempts: int = 6, pause_s: tuple[float, float] = (0.05, 0.5)):
@@ -156,7 +162,6 @@ def claim_alone(study, key: str, beats=None, attempts: int = 6, pause_s: tuple[f
     after its own claim has ended, so two yielded workers never both take the other for the owner.
     ``beats`` (Heartbeats) beats for the held trial; the caller tells it."""
     import optuna
-    live = (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.COMPLETE)
     for _ in range(attempts):
         trial = study.ask()
         if beats is not None:
@@ -170,8 +175,7 @@ def claim_alone(study, key: str, beats=None, attempts: int = 6, pause_s: tuple[f
         if owner.state == optuna.trial.TrialState.COMPLETE:
             return None
         time.sleep(random.uniform(*pause_s))
-        if any(t.user_attrs.get("claim") == key and (t.state == optuna.trial.TrialState.RUNNING
-                                                     or t.user_attrs.get("measured")) for t in trials(study, live)):
+        if _holders(study, key):
             return None
     return None
 

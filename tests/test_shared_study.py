@@ -313,7 +313,6 @@ def test_a_confirm_both_workers_yielded_is_claimed_again_not_left_to_nobody(stor
 
 
 def test_a_confirm_held_or_done_by_another_worker_is_not_claimed(storage):
-    import optuna
     study = _claims_study(storage)
     other = study.ask()
     other.set_user_attr("claim", "held")                 # live all along: that worker confirms
