@@ -69,9 +69,9 @@ from kernels.tilelang import _smem_plan as smem_plan
 
 DSL = "tilelang"
 KERNEL = "mamba_bwd_bwd"
-TUNABLES = ("chunk_form", "pieces", "threads", "min_blocks", "scan_threads", "scan_block_N", "scan_block_P", "scan_stages", "lkq_fp32",
+TUNABLES = ("chunk_form", "pieces", "scan_segments", "threads", "min_blocks", "scan_threads", "scan_block_N", "scan_block_P", "scan_stages", "lkq_fp32",
             "lean_smem", "global_tables", "swizzle", "stage_out", "tma", "warp_specialized", "fast_math", "aggressive_smem_merge")
-DEFAULTS = {"chunk_form": "classic", "pieces": 1, "threads": 256, "min_blocks": 1, "scan_threads": 128, "scan_block_N": 64, "scan_block_P": 32,
+DEFAULTS = {"chunk_form": "classic", "pieces": 1, "scan_segments": 1, "threads": 256, "min_blocks": 1, "scan_threads": 128, "scan_block_N": 64, "scan_block_P": 32,
             "scan_stages": 2, "lkq_fp32": False, "lean_smem": False, "global_tables": False, "swizzle": True, "stage_out": False, "tma": False,
             "warp_specialized": False, "fast_math": True, "aggressive_smem_merge": True}
 TARGETS = tl.TARGETS
@@ -104,6 +104,8 @@ def config_reason(config: dict, shape: dict) -> str | None:
     if (c["scan_block_N"], c["scan_block_P"], c["scan_threads"]) == (32, 128, 512):
         return ("scan tile 32x128 at 512 threads: TileLang 0.1.15 cannot reduce its DDA row sums (ReduceOp: "
                 "source index depends on a thread-owned reduce segment)")
+    if c["scan_segments"] > 1 and c["pieces"] > 1:
+        return "scan_segments > 1 needs pieces = 1 (the segmented scan runs whole, before the chunk kernel)"
     if c["global_tables"] and c["chunk_form"] != "rotated":
         return "global_tables=true needs chunk_form=rotated"
     return None
@@ -217,9 +219,17 @@ def _sin(sin_s, ANGLES, b, t0, h, t, j):
     return sin_s[t, j] if sin_s is not None else T.sin(ANGLES[b, t0 + t, h, j])
 
 
-def _scan_program(config: dict, shape: dict):
+def _scan_program(config: dict, shape: dict, local: bool = False):
     """dS scan over the chunks [c_hi - L, c_hi) in reverse, L = nc / pieces: the first piece starts
-    from dS = 0, later ones from the fp32 dS the previous piece left in DS_CARRY."""
+    from dS = 0, later ones from the fp32 dS the previous piece left in CARRY.
+
+    With K = scan_segments > 1 (pieces = 1), the chunks are K segments of L = nc / K and the grid has a
+    CTA per (tile, segment). ``local``: segments 1..K-1 each run their chunks from dS = 0 without writing
+    dS, leaving that partial dS (fp32) in CARRY[:, :, k] and the segment's whole decay
+    exp(sum of DA_CS at each chunk's last step) in SEG_DECAY[:, :, k]. The main scan then starts
+    segment k from carry_k = sum over j > k of (decay of segments k+1..j-1) * CARRY_j, composed
+    from j = K-1 down (the recurrence is linear in dS), and walks only its own chunks: 2L serial
+    steps instead of nc, on K times the CTAs."""
     B, S, H, G, N, P, R, C, nc, nr, F = _dims(shape)
     dtype = shape["dtype"]
     bn, bp, threads, stages = config["scan_block_N"], config["scan_block_P"], config["scan_threads"], config["scan_stages"]
@@ -229,7 +239,9 @@ def _scan_program(config: dict, shape: dict):
     reduceO, hasZ = shape["reduceO"], shape["hasZ"]
     dout_shape = (B, S, H, P) if reduceO else (B, S, R, H, P)
     pieces = _pieces(config, shape)
-    L = nc // pieces
+    K = _segments(config, shape)
+    L = nc // (pieces * K)
+    grid_segments, seg_first = (K - 1, 1) if local else (K, 0)
 
     @T.prim_func
     def scan(Q: T.Tensor((B, S, R, G, N), dtype), Q_BIAS: T.Tensor((H, R, N), F32),
@@ -237,9 +249,12 @@ def _scan_program(config: dict, shape: dict):
              DOUT: T.Tensor(dout_shape, dtype), Z: T.Tensor((B, S, H, P), dtype),
              MIMO_O: T.Tensor((H, R, P), F32), MIMO_Z: T.Tensor((H, R, P), F32),
              STATES: T.Tensor((B, H, nc, N, P), "bfloat16"), DSTATES: T.Tensor((B, H, nc, N, P), dtype),
-             DDA_PART: T.Tensor((B, H, nc, tiles), F32), DS_CARRY: T.Tensor((B, H, N, P), F32), c_hi: T.int32):
-        with T.Kernel(H, B, tiles, threads=threads) as (h, b, tile):
+             DDA_PART: T.Tensor((B, H, nc, tiles), F32), CARRY: T.Tensor((B, H, K, N, P), F32),
+             SEG_DECAY: T.Tensor((B, H, K), F32), c_hi: T.int32):
+        with T.Kernel(H, B, tiles * grid_segments, threads=threads) as (h, b, bz):
             hq = h // (H // G)
+            tile = bz % tiles
+            seg = bz // tiles + seg_first
             n0 = (tile // tiles_p) * bn
             p0 = (tile % tiles_p) * bp
             # raw per-chunk inputs, copied (asynchronously when pipelined) ahead of their step
@@ -248,7 +263,6 @@ def _scan_program(config: dict, shape: dict):
             da_raw = T.alloc_shared((C,), F32)
             do_raw = T.alloc_shared((C, bp) if reduceO else (C, R, bp), dtype)
             z_raw = T.alloc_shared((C, bp), dtype)
-            st_raw = T.alloc_shared((bn, bp), "bfloat16")
             # per-head constants and per-step tables
             qb_s = T.alloc_shared((R, N), F32)
             mo_s = T.alloc_shared((R, bp), F32)
@@ -258,23 +272,38 @@ def _scan_program(config: dict, shape: dict):
             ea_s = T.alloc_shared((C,), F32)
             qh_s = T.alloc_shared((F, bn), dtype)
             dy_s = T.alloc_shared((F, bp), dtype)
-            ds_s = T.alloc_shared((bn, bp), dtype)
-            # ds_s is written and st_raw read in the dS accumulator's fragment layout: row-major, rows of
-            # bp * 2 bytes put the 8 rows a warp touches at once in one bank (ncu, H100: 9.3-way store conflicts).
-            T.annotate_layout({buf: tilelang.layout.make_swizzled_layout(buf) for buf in (ds_s, st_raw)})
             ds_f = T.alloc_fragment((bn, bp), F32)
-            prod_f = T.alloc_fragment((bn, bp), F32)
-            row_f = T.alloc_fragment((bn,), F32)
-            one = T.alloc_fragment((1,), F32)
+            if not local:
+                st_raw = T.alloc_shared((bn, bp), "bfloat16")
+                ds_s = T.alloc_shared((bn, bp), dtype)
+                # ds_s is written and st_raw read in the dS accumulator's fragment layout: row-major, rows of
+                # bp * 2 bytes put the 8 rows a warp touches at once in one bank (ncu, H100: 9.3-way store conflicts).
+                T.annotate_layout({buf: tilelang.layout.make_swizzled_layout(buf) for buf in (ds_s, st_raw)})
+                prod_f = T.alloc_fragment((bn, bp), F32)
+                row_f = T.alloc_fragment((bn,), F32)
+                one = T.alloc_fragment((1,), F32)
+            else:
+                log_decay = T.alloc_fragment((1,), F32)
+                T.clear(log_decay)
             T.copy(Q_BIAS[h, :, :], qb_s)
             T.copy(MIMO_O[h, :, p0:p0 + bp], mo_s)
             T.copy(MIMO_Z[h, :, p0:p0 + bp], mz_s)
             if pieces > 1:
-                T.copy(DS_CARRY[b, h, n0:n0 + bn, p0:p0 + bp], ds_f)
+                T.copy(CARRY[b, h, 0, n0:n0 + bn, p0:p0 + bp], ds_f)
             else:
                 T.clear(ds_f)
+            if K > 1 and not local:
+                # carry_k = CARRY_{k+1} + decay_{k+1} (CARRY_{k+2} + decay_{k+2} (...)), innermost first
+                for jj in T.serial(K - 1):
+                    j = K - 1 - jj
+                    if j > seg:
+                        for i, p in T.Parallel(bn, bp):
+                            ds_f[i, p] = ds_f[i, p] * SEG_DECAY[b, h, j] + CARRY[b, h, j, n0 + i, p0 + p]
             for it in T.Pipelined(L, num_stages=stages):
-                c = (c_hi if pieces > 1 else nc) - 1 - it      # static when whole: no bounds guards
+                if K > 1:
+                    c = (seg + 1) * L - 1 - it
+                else:
+                    c = (c_hi if pieces > 1 else nc) - 1 - it      # static when whole: no bounds guards
                 T.copy(Q[b, c * C:(c + 1) * C, :, hq, :], q_raw)
                 T.copy(ANGLES[b, c * C:(c + 1) * C, h, :], ang_raw)
                 T.copy(DA_CS[b, h, c * C:(c + 1) * C], da_raw)
@@ -284,16 +313,20 @@ def _scan_program(config: dict, shape: dict):
                     T.copy(DOUT[b, c * C:(c + 1) * C, :, h, p0:p0 + bp], do_raw)
                 if hasZ:
                     T.copy(Z[b, c * C:(c + 1) * C, h, p0:p0 + bp], z_raw)
-                T.copy(STATES[b, h, c, n0:n0 + bn, p0:p0 + bp], st_raw)
-                # dS_c out (bf16 GEMM operand for the chunk kernel) and its DDA partial from the fp32
-                # dS (a bf16 dS loses the cancellation in sum(S * dS)).
-                T.copy(ds_f, ds_s)
-                T.copy(ds_s, DSTATES[b, h, c, n0:n0 + bn, p0:p0 + bp])
-                for i, j in T.Parallel(bn, bp):
-                    prod_f[i, j] = ds_f[i, j] * T.cast(st_raw[i, j], F32)
-                T.reduce_sum(prod_f, row_f, dim=1)
-                T.reduce_sum(row_f, one, dim=0)
-                T.copy(one, DDA_PART[b, h, c, tile:tile + 1])
+                if not local:
+                    T.copy(STATES[b, h, c, n0:n0 + bn, p0:p0 + bp], st_raw)
+                    # dS_c out (bf16 GEMM operand for the chunk kernel) and its DDA partial from the fp32
+                    # dS (a bf16 dS loses the cancellation in sum(S * dS)).
+                    T.copy(ds_f, ds_s)
+                    T.copy(ds_s, DSTATES[b, h, c, n0:n0 + bn, p0:p0 + bp])
+                    for i, j in T.Parallel(bn, bp):
+                        prod_f[i, j] = ds_f[i, j] * T.cast(st_raw[i, j], F32)
+                    T.reduce_sum(prod_f, row_f, dim=1)
+                    T.reduce_sum(row_f, one, dim=0)
+                    T.copy(one, DDA_PART[b, h, c, tile:tile + 1])
+                else:
+                    for i in T.Parallel(1):
+                        log_decay[i] = log_decay[i] + da_raw[C - 1]
                 for t, j in T.Parallel(C, nr):
                     cos_s[t, j] = T.cos(ang_raw[t, j])
                     sin_s[t, j] = T.sin(ang_raw[t, j])
@@ -326,8 +359,12 @@ def _scan_program(config: dict, shape: dict):
                 for i, j in T.Parallel(bn, bp):
                     ds_f[i, j] = ds_f[i, j] * ea_s[C - 1]
                 T.gemm(qh_s, dy_s, ds_f, transpose_A=True)
-            if pieces > 1:
-                T.copy(ds_f, DS_CARRY[b, h, n0:n0 + bn, p0:p0 + bp])
+            if local:
+                T.copy(ds_f, CARRY[b, h, seg, n0:n0 + bn, p0:p0 + bp])
+                for i in T.Parallel(1):
+                    SEG_DECAY[b, h, seg] = T.exp(log_decay[i])    # the same value from every tile
+            elif pieces > 1:
+                T.copy(ds_f, CARRY[b, h, 0, n0:n0 + bn, p0:p0 + bp])
 
     return scan
 
@@ -344,6 +381,13 @@ def _pieces(config: dict, shape: dict) -> int:
     at most ``pieces`` (a chunk count it does not divide, as at the small parity shapes, takes fewer)."""
     nc = shape["S"] // shape["C"]
     return max(k for k in range(1, config["pieces"] + 1) if nc % k == 0)
+
+
+def _segments(config: dict, shape: dict) -> int:
+    """Segments of the scan (see ``_scan_program``): the largest divisor of the chunk count that is at
+    most ``scan_segments``, as for pieces."""
+    nc = shape["S"] // shape["C"]
+    return max(k for k in range(1, config["scan_segments"] + 1) if nc % k == 0)
 
 
 def _chunk_macros(shape: dict):
@@ -916,7 +960,13 @@ def _scan_tiles(config: dict, shape: dict) -> int:
     return (shape["N"] // config["scan_block_N"]) * (shape["P"] // config["scan_block_P"])
 
 
-_PROGRAMS = {"scan": _scan_program, "chunk": _chunk_program, "reduce": _reduce_program}
+_PROGRAMS = {"scan_local": functools.partial(_scan_program, local=True), "scan": _scan_program,
+             "chunk": _chunk_program, "reduce": _reduce_program}
+
+
+def _kernels(config: dict, shape: dict) -> list:
+    """The kernels a config launches, in launch order (the local scan only with segments)."""
+    return [k for k in _PROGRAMS if k != "scan_local" or _segments(config, shape) > 1]
 
 
 # --------------------------------------------------------------------------------------------
@@ -932,8 +982,8 @@ def compile_for(config: dict, shape: dict, target: str) -> dict:
     _refuse(config, shape, target)
     t0 = time.perf_counter()
     per = {}
-    for name, prog in _PROGRAMS.items():
-        program = prog(config, shape)
+    for name in _kernels(config, shape):
+        program = _PROGRAMS[name](config, shape)
         art = tl.lower(program, target, _pass_configs(config, name))
         _check_layout(name, program, art.kernel_source)
         cubin = tl.cubin_of(art.kernel_source, target, _pass_configs(config, name), use_cache=False)
@@ -975,14 +1025,14 @@ def build(config: dict, shape: dict):
     target = tl.device_target()
     _refuse(config, shape, target)
     kernels = {}
-    for name, prog in _PROGRAMS.items():
-        program = prog(config, shape)
+    for name in _kernels(config, shape):
+        program = _PROGRAMS[name](config, shape)
         kernels[name] = tilelang.compile(program, target=tl.tvm_target(target), execution_backend="tvm_ffi",
                                          pass_configs=_pass_configs(config, name))
         _check_layout(name, program, kernels[name].get_kernel_source())
     info = _launch_info(kernels, config, shape, target)
     B, S, H, G, N, P, R, C, nc, nr, F = _dims(shape)
-    pieces = _pieces(config, shape)
+    pieces, segments = _pieces(config, shape), _segments(config, shape)
     L = nc // pieces
     work: dict = {}
 
@@ -994,7 +1044,8 @@ def build(config: dict, shape: dict):
                         dd=torch.zeros(B, H, nc, dtype=torch.float32, device=dev),
                         dd_out=torch.empty(B, H, dtype=torch.float32, device=dev),
                         dda=torch.empty(B, H, nc, _scan_tiles(config, shape), dtype=torch.float32, device=dev),
-                        carry=torch.empty(B, H, N, P, dtype=torch.float32, device=dev),
+                        carry=torch.empty(B, H, segments, N, P, dtype=torch.float32, device=dev),
+                        decay=torch.empty(B, H, segments, dtype=torch.float32, device=dev),
                         side=torch.cuda.Stream(dev, priority=-1) if pieces > 1 else None,
                         events=[torch.cuda.Event() for _ in range(pieces)])
         i, o = inputs, outputs
@@ -1002,12 +1053,15 @@ def build(config: dict, shape: dict):
         main = torch.cuda.current_stream(dev)
         if work["side"] is not None:
             work["side"].wait_stream(main)
+        scan_args = (i["Q"], i["Q_BIAS"], i["ANGLES"], i["DA_CS"], i["DOUT"], z, mo, mz, i["STATES"], work["ds"],
+                     work["dda"], work["carry"], work["decay"])
+        if segments > 1:
+            kernels["scan_local"](*scan_args, nc)
         for k in range(pieces):
             with torch.cuda.stream(work["side"] or main):
                 if k == 0 and pieces > 1:
                     work["carry"].zero_()                       # the first piece starts from dS = 0
-                kernels["scan"](i["Q"], i["Q_BIAS"], i["ANGLES"], i["DA_CS"], i["DOUT"], z, mo, mz, i["STATES"],
-                                work["ds"], work["dda"], work["carry"], nc - k * L)
+                kernels["scan"](*scan_args, nc - k * L)
                 work["events"][k].record()
         for k in range(pieces):
             main.wait_event(work["events"][k])
