@@ -1,7 +1,8 @@
 """Tuned configs for the code that ships the kernels: results/tuned/<device>.json and ``best``.
 
 ``export`` writes one file per device profile with, per (kernel, DSL, shape), the best parity-checked
-config: the fastest A/B-confirmed one where the shape has confirm rows, else the fastest sweep trial
+config: among the rows measured with the checkout's lane code and toolchain where there are any (else
+all rows), the fastest A/B-confirmed one where there are confirm rows, else the fastest sweep trial
 (``timing`` says which), its median (ms), the run it came from and the lane identity and toolchain it
 was measured with, plus ``fresh``: whether that identity is still the checkout's (``lab.gate``).
 Rows of a GB10 profile emulated on another GPU keep ``emulated: true`` and the GPU that ran them.
@@ -45,12 +46,24 @@ def entries(df: pd.DataFrame, device: str) -> list[dict]:
     out = []
     current = {}
     pins = gate.pinned_toolchain()
+    fresh_of: dict = {}
+
+    def is_fresh(module: str, row: pd.Series) -> bool:
+        key = (module, row["versions_json"], str(row["git_commit"]), bool(row["git_dirty"]))
+        if key not in fresh_of:
+            versions = json.loads(row["versions_json"] or "{}")
+            measured = gate.measured_identity(module, versions, key[2], key[3])
+            fresh_of[key] = not gate.code_changes(measured, current[module]) and not gate.version_changes(versions, pins)
+        return fresh_of[key]
+
     for (kernel, dsl, shape), rows in ok.groupby(["kernel", "dsl", "shape"], sort=True):
-        r, timing = _pick(rows)
-        versions = json.loads(r["versions_json"] or "{}")
         module = registry.get(dsl, kernel).module_name
         if module not in current:
             current[module] = identity.lane_identity(module)
+        # Rows of the checkout's code and toolchain first: an older confirm does not outrank them.
+        fresh = rows[[is_fresh(module, row) for _, row in rows.iterrows()]]
+        r, timing = _pick(fresh if not fresh.empty else rows)
+        versions = json.loads(r["versions_json"] or "{}")
         measured = gate.measured_identity(module, versions, str(r["git_commit"]), bool(r["git_dirty"]))
         dims = json.loads(r["shape_json"] or "{}")
         same = rows[rows["config_json"] == r["config_json"]]["parity_rel_l2"].dropna()  # confirm rows skip parity
@@ -62,7 +75,7 @@ def entries(df: pd.DataFrame, device: str) -> list[dict]:
             "compile_target": r["compile_target"],
             "toolchain": {k: v for k, v in sorted(versions.items()) if k not in ("lane_sha", "lane_code", "lane_files", "lane_hash")},
             "lane_files": measured["lane_files"] if measured else None,
-            "fresh": not gate.code_changes(measured, current[module]) and not gate.version_changes(versions, pins),
+            "fresh": is_fresh(module, r),
         })
     return out
 

@@ -344,6 +344,11 @@ def test_export_and_best_round_trip(repo, capsys):
     (repo.path / "gatepkg" / "toy" / "_helper.py").write_text(textwrap.dedent(HELPER).replace("1024", "512"))
     tuned.export(results.load(repo.results), out, ["h100"])
     assert not tuned.best("gemm", "toy", "h100", "sq4096_bf16", path=out).fresh
+    # A sweep at the changed code outranks the confirm of the old code, though slower than that confirm.
+    _write(repo, [_row("toy", commit=repo.commit(), ms=1.8, config={"BLOCK": 256})])
+    tuned.export(results.load(repo.results), out, ["h100"])
+    t = tuned.best("gemm", "toy", "h100", "sq4096_bf16", path=out)
+    assert t.config == {"BLOCK": 256} and t.median_ms == 1.8 and t.fresh
 
 
 def test_committed_export_matches_the_committed_results(tmp_path):
