@@ -72,6 +72,8 @@ def test_every_named_shape_fits_gb10_and_estimate_equals_compiler(name):
 
 _GLOBAL_TABLES = ("grid_n128_p64_r1_c64", {**LEAN, "global_tables": True})
 _PIECES = ("gb10", {"chunk_form": "classic", "pieces": 4, "min_blocks": 2, "scan_block_P": 16})
+_SEGMENTS = ("gb10", {"chunk_form": "rotated", "lean_smem": True, "min_blocks": 2, "scan_threads": 128,
+                      "scan_block_P": 16, "scan_segments": 8})
 
 
 # Each variant compiles for one target in the default run (both targets are covered); the other is slow.
@@ -80,12 +82,15 @@ _PIECES = ("gb10", {"chunk_form": "classic", "pieces": 4, "min_blocks": 2, "scan
     ("sm_121a", *_GLOBAL_TABLES), pytest.param("sm_90a", *_GLOBAL_TABLES, marks=pytest.mark.slow),
     # pieces: the scan on a side stream in ranges of chunks, the chunk kernel taking c_lo.
     ("sm_90a", *_PIECES), pytest.param("sm_121a", *_PIECES, marks=pytest.mark.slow),
+    # scan_segments: a local scan pass over segments 1..K-1, then the scan from composed carries.
+    ("sm_121a", *_SEGMENTS), pytest.param("sm_90a", *_SEGMENTS, marks=pytest.mark.slow),
 ])
 def test_new_variants_compile_to_cubins(target, shape_name, config):
     shape = space.get_shape("mamba_bwd_bwd", shape_name)
     cfg = {**D, **config}
     res = lane.compile_for(cfg, shape, target)
-    assert set(res["kernels"]) == {"scan", "chunk", "reduce"}
+    local = {"scan_local"} if cfg["scan_segments"] > 1 else set()
+    assert set(res["kernels"]) == {"scan", "chunk", "reduce"} | local
     assert res["smem_bytes"] == max(k["smem_bytes"] for k in res["kernels"].values())
     assert 0 < res["registers"] <= 255
     assert lane.smem_estimate(cfg, shape, target) == res["smem_bytes"]
@@ -167,6 +172,8 @@ def test_options_ranks_and_parity_shapes_lower(case, at_parity_shape):
     ({"global_tables": True}, GB10, "needs chunk_form=rotated"),
     ({"chunk_form": "other"}, GB10, 'chunk_form="other"'),
     ({"pieces": 3}, GB10, "pieces=3"),
+    ({"pieces": 2, "scan_segments": 2}, GB10, "needs pieces = 1"),
+    ({"scan_segments": 3}, GB10, "scan_segments=3"),
 ])
 def test_config_rules(config, shape, msg):
     """Each refusal comes from the lane (what depends on the shape or on combinations) or, for a value

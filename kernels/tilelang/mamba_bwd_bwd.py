@@ -25,6 +25,10 @@ every dS_c is known, each chunk's work (about ten GEMMs and all the elementwise 
 
 With ``pieces`` > 1 the scan and the chunk kernel run in that many ranges of chunks, the scan on a
 side stream, so that the chunk work of one range overlaps the scan of the next.
+With ``scan_segments`` K > 1 the scan runs K ranges of chunks at once: a local pass (``scan_local``)
+runs ranges 1..K-1 from dS = 0 and leaves each range's partial dS and decay, then each scan CTA
+starts its range from the carry those compose to. The serial walk is 2 nc/K steps on K times the
+CTAs: it pays where B*H and the dS tiles leave SMs idle.
 
 Precision follows upstream: GEMM operands in the input dtype (bf16/fp16), fp32 accumulation, the
 elementwise math and every partial in fp32.
@@ -32,6 +36,7 @@ elementwise math and every partial in fp32.
 Tunables:
   chunk_form          classic / rotated (above)
   pieces              ranges of chunks the scan and the chunk kernel run in (above)
+  scan_segments       ranges of chunks the scan walks at once (above; needs pieces = 1)
   threads             threads of the chunk kernel (128 / 256 / 512)
   min_blocks          CTAs per SM the chunk kernel is compiled for (__launch_bounds__: 2 caps registers
                       at 65536 / (2 threads)); two are resident only if the shared memory fits too
