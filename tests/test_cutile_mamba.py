@@ -67,6 +67,18 @@ def test_named_shape_compiles(name, target, compiled):
     assert got["smem_bytes"] == lane.SMEM[name][target], (name, target, got["smem_bytes"])
 
 
+@pytest.mark.parametrize("target", ["sm_121a", pytest.param("sm_90a", marks=pytest.mark.slow)])
+def test_segmented_scan_compiles(target, compiled):
+    """SCAN_SEGMENTS = 4 at the GB10 shape (16 chunks): the local scan pass is a fifth kernel, within the
+    limits; the other kernels are the defaults' (the largest figure unchanged)."""
+    shape = _shape("gb10")
+    config = {**lane.seed_for(shape), "SCAN_SEGMENTS": 4}
+    got = compiled(lane, config, shape, target)
+    assert set(got["kernels"]) == {"scan_local", *lane.KERNELS}
+    assert 0 < got["kernels"]["scan_local"]["smem_bytes"] <= got["kernels"]["scan"]["smem_bytes"]
+    assert got["smem_bytes"] == lane.SMEM["gb10"][target] and got["registers"] <= 255, got
+
+
 def test_every_named_shape_has_a_config_and_a_figure():
     for name in NAMED:
         shape = _shape(name)
@@ -75,11 +87,15 @@ def test_every_named_shape_has_a_config_and_a_figure():
 
 
 def test_sweep_seeds_are_valid():
+    """The first seed (the defaults) takes every named shape; every seed takes the sweep's default shapes
+    (a seed another named shape refuses, as a 32-pair block at N = 32, is recorded infeasible there)."""
     from lab import space as sp
     seeds = sp.load_space("mamba_bwd_bwd", "cutile", lane.TUNABLES).seeds
     assert seeds and seeds[0] == lane.DEFAULTS
+    for name in NAMED:
+        assert lane.config_reason(seeds[0], _shape(name)) is None, name
     for seed in seeds:
-        for name in NAMED:
+        for name in sp.load_shapes("mamba_bwd_bwd")[1]:
             assert lane.config_reason(seed, _shape(name)) is None, (seed, name)
 
 
@@ -130,6 +146,10 @@ BODY_CASES = [
                  id="r2-d-only"),
     pytest.param(_small(B=1, S=8, H=2, G=2, N=32, P=16, R=8, C=2, rd=4, hasZ=True, hasD=True, reduceO=False), SMALL,
                  id="r8-c2-gqa-4-chunks"),
+    # The segmented scan: 3 chunks in 3 ranges (a local pass over two), 4 chunks in 2 ranges of 2.
+    pytest.param(_small(), {**SMALL, "SCAN_SEGMENTS": 4}, id="r4-3-segments"),
+    pytest.param(_small(B=1, S=8, H=2, G=2, N=32, P=16, R=8, C=2, rd=4, hasZ=True, hasD=True, reduceO=False),
+                 {**SMALL, "SCAN_SEGMENTS": 2}, id="r8-4-chunks-2-segments"),
 ]
 
 
@@ -145,7 +165,8 @@ def test_kernel_bodies_match_reference(shape, config, monkeypatch):
     inputs = PROBLEM.make_inputs(shape, "cpu", 5)
     outputs = PROBLEM.alloc_outputs(shape, "cpu")
     info = ns["build"](config, shape)(inputs, outputs)
-    assert launches == ["_scan", "_chunk_k", "_chunk_v", "_reduce"] and info["launches"] == 4
+    local = ["_scan"] if lane._segments(config, shape) > 1 else []       # the scan's local pass
+    assert launches == local + ["_scan", "_chunk_k", "_chunk_v", "_reduce"] and info["launches"] == len(launches)
     ref = PROBLEM.reference(inputs, shape)
     assert set(outputs) == set(ref)
     ok, errors = parity.compare(outputs, ref, PROBLEM.tolerance(shape), PROBLEM.output_tolerances(shape))

@@ -8,6 +8,11 @@ written with cuTile tile operations. Four kernels, launched in this order on the
    gradient of the state leaving chunk c) walks the chunks last to first in fp32:
    dS_{c-1} = exp(DA_CS_last(c)) dS_c + q_hat_c^T (exp(DA_CS) dy_c). A program owns SCAN_BJ rotary
    pairs (rows j and N/2 + j, so the rotation is elementwise between two tiles) and SCAN_BP columns.
+   With SCAN_SEGMENTS = K > 1 the chunks are K ranges walked at once: a local pass (the same kernel,
+   grid (tiles * (K-1), H, B)) runs ranges 1..K-1 from dS = 0 and leaves each range's partial dS and
+   decay in CARRY [B, H, K, N, P] / DECAY [B, H, K] (fp32); then a program per (tile, range) starts from
+   the carry those compose to. 2 nc/K serial steps on K times the programs, for shapes whose B*H and
+   dS tiles leave SMs idle.
 2. ``_chunk_k``, grid (nc * N/2/KEY_BJ, H, B): the key / query side of one chunk on KEY_BJ rotary pairs.
    Its P loop (KEY_BP columns a step) accumulates PsiV dy^T (F x F, F = C*R fused rows t*R + r),
    PsiV dS^T and dy STATES^T; then DQ, DK and DANGLES of its pairs, and its pairs' parts of the row sums
@@ -40,6 +45,7 @@ partial are fp32.
 
 Tunables (sweeps/mamba_bwd_bwd/cutile.toml):
   SCAN_BJ, SCAN_BP     dS tile of one scan program: SCAN_BJ rotary pairs x SCAN_BP columns
+  SCAN_SEGMENTS        chunk ranges the scan walks at once (above; the largest divisor of nc up to it)
   KEY_BJ, KEY_BP       rotary pairs per key-side program; P columns per step of its P loop
   VALUE_BJ, BLOCK_P    pairs per step of the value side's N loops; P columns per step of its P loop
   occupancy            CTAs per SM tileiras compiles every kernel for (0: its choice)
@@ -65,12 +71,24 @@ from lab.problems import _mamba3 as m3
 
 DSL = "cutile"
 KERNEL = "mamba_bwd_bwd"
-TUNABLES = ("SCAN_BJ", "SCAN_BP", "KEY_BJ", "KEY_BP", "VALUE_BJ", "BLOCK_P", "occupancy", "num_worker_warps")
-DEFAULTS = {"SCAN_BJ": 16, "SCAN_BP": 32, "KEY_BJ": 16, "KEY_BP": 32, "VALUE_BJ": 16, "BLOCK_P": 32,
-            "occupancy": 0, "num_worker_warps": 0}
+TUNABLES = ("SCAN_BJ", "SCAN_BP", "SCAN_SEGMENTS", "KEY_BJ", "KEY_BP", "VALUE_BJ", "BLOCK_P", "occupancy",
+            "num_worker_warps")
+DEFAULTS = {"SCAN_BJ": 16, "SCAN_BP": 32, "SCAN_SEGMENTS": 1, "KEY_BJ": 16, "KEY_BP": 32, "VALUE_BJ": 16,
+            "BLOCK_P": 32, "occupancy": 0, "num_worker_warps": 0}
 TARGETS = tuple(f"sm_{a}a" if a >= 90 else f"sm_{a}" for a in ARCHS)
 DTYPES = ("bfloat16", "float16")
 KERNELS = ("scan", "key", "value", "reduce")
+
+
+def _segments(config: dict, shape: dict) -> int:
+    """Ranges the scan walks at once: the largest divisor of the chunk count that is at most SCAN_SEGMENTS."""
+    nc = shape["S"] // shape["C"]
+    return max(k for k in range(1, config["SCAN_SEGMENTS"] + 1) if nc % k == 0)
+
+
+def _kernel_names(config: dict, shape: dict) -> tuple:
+    """The kernels a config launches, in order: the local scan pass only with segments."""
+    return (("scan_local",) if _segments(config, shape) > 1 else ()) + KERNELS
 
 K_ = ct.Constant[int]
 B_ = ct.Constant[bool]
@@ -181,13 +199,23 @@ def _cell(X, b, h, c, jb, pb, BJ, BP):
 # kernels
 
 
-def _scan(Q, QB, ANG, DA, DOUT, PHI, Z, ZETA, DS,
-          HG: K_, N: K_, P: K_, R: K_, C: K_, NR: K_, BJ: K_, BP: K_, HAS_Z: B_, REDUCE_O: B_):
-    """dS_c for every chunk c (the gradient of the state leaving chunk c; zero for the last)."""
+def _scan(Q, QB, ANG, DA, DOUT, PHI, Z, ZETA, DS, CARRY, DECAY,
+          HG: K_, N: K_, P: K_, R: K_, C: K_, NR: K_, BJ: K_, BP: K_, HAS_Z: B_, REDUCE_O: B_, SEGS: K_,
+          LOCAL: B_):
+    """dS_c for every chunk c (the gradient of the state leaving chunk c; zero for the last), in SEGS
+    ranges of NC / SEGS chunks, a program per (tile, range). LOCAL: ranges 1..SEGS-1 from dS = 0, no dS
+    written; each leaves its partial dS in CARRY[:, :, k] and its decay (the product of its chunks'
+    exp(DA_CS at the last step)) in DECAY[:, :, k]. Else range k starts from the carry those compose to:
+    carry_k = CARRY_{k+1} + DECAY_{k+1} carry_{k+1}, carry_{SEGS-1} = 0 (the recurrence is linear)."""
     NHB = N // 2 // BJ
     NPB = P // BP
     NC = Q.shape[1] // C
-    tile = ct.bid(0)
+    L = NC // SEGS
+    tiles = NHB * NPB
+    tile = ct.bid(0) % tiles
+    seg = ct.bid(0) // tiles
+    if LOCAL:
+        seg = seg + 1
     h = ct.bid(1)
     b = ct.bid(2)
     jb = tile // NPB
@@ -196,10 +224,18 @@ def _scan(Q, QB, ANG, DA, DOUT, PHI, Z, ZETA, DS,
     dt = Q.dtype
     run_lo = ct.zeros((BJ, BP), dtype=ct.float32)
     run_hi = ct.zeros((BJ, BP), dtype=ct.float32)
-    for i in range(NC):
-        c = NC - 1 - i
-        ct.store(DS, (b, h, c, jb, pb), ct.reshape(run_lo, (1, 1, 1, BJ, BP)).astype(DS.dtype))
-        ct.store(DS, (b, h, c, NHB + jb, pb), ct.reshape(run_hi, (1, 1, 1, BJ, BP)).astype(DS.dtype))
+    decay = ct.full((1,), 1.0, dtype=ct.float32)
+    if not LOCAL:
+        for jj in range(SEGS - 1 - seg):
+            j = SEGS - 1 - jj
+            a = ct.gather(DECAY, (b, h, j))
+            run_lo = a * run_lo + _cell(CARRY, b, h, j, jb, pb, BJ, BP)
+            run_hi = a * run_hi + _cell(CARRY, b, h, j, NHB + jb, pb, BJ, BP)
+    for i in range(L):
+        c = (seg + 1) * L - 1 - i
+        if not LOCAL:
+            ct.store(DS, (b, h, c, jb, pb), ct.reshape(run_lo, (1, 1, 1, BJ, BP)).astype(DS.dtype))
+            ct.store(DS, (b, h, c, NHB + jb, pb), ct.reshape(run_hi, (1, 1, 1, BJ, BP)).astype(DS.dtype))
         q_lo = _half(Q, QB, b, c, g, h, jb, C, R, BJ)
         q_hi = _half(Q, QB, b, c, g, h, NHB + jb, C, R, BJ)
         cos, sin = _angles(ANG, b, c, h, jb, C, R, BJ, NR)
@@ -207,8 +243,13 @@ def _scan(Q, QB, ANG, DA, DOUT, PHI, Z, ZETA, DS,
         da = _steps(DA, b, h, c, C)
         dye = (_dy(DOUT, PHI, Z, ZETA, b, h, c, pb, C, R, BP, HAS_Z, REDUCE_O) * _rows(ct.exp(da), C, R)).astype(dt)
         a_last = ct.exp(ct.gather(DA, (b, h, c * C + C - 1)))
+        decay = decay * a_last
         run_lo = ct.mma(ct.transpose(qh_lo.astype(dt)), dye, a_last * run_lo)
         run_hi = ct.mma(ct.transpose(qh_hi.astype(dt)), dye, a_last * run_hi)
+    if LOCAL:
+        ct.store(CARRY, (b, h, seg, jb, pb), ct.reshape(run_lo, (1, 1, 1, BJ, BP)))
+        ct.store(CARRY, (b, h, seg, NHB + jb, pb), ct.reshape(run_hi, (1, 1, 1, BJ, BP)))
+        ct.store(DECAY, (b, h, seg), ct.reshape(decay, (1, 1, 1)))   # the same value from every tile
 
 
 def _chunk_k(Q, K, QB, KB, V, PSI, ANG, DA, DAR, DT, TRAP, SEG, DOUT, PHI, Z, ZETA, STATES, DS,
@@ -380,7 +421,7 @@ def _reduce(DPSI_WS, DD_WS, DPSI, DD, R: K_, P: K_, HAS_D: B_):
         ct.store(DD, (b, h), dd)
 
 
-_BODIES = {"scan": _scan, "key": _chunk_k, "value": _chunk_v, "reduce": _reduce}
+_BODIES = {"scan_local": _scan, "scan": _scan, "key": _chunk_k, "value": _chunk_v, "reduce": _reduce}
 _KERNELS: dict = {}
 
 
@@ -447,6 +488,7 @@ def _layouts(config: dict, shape: dict) -> dict:
     B, S, H, G, N, P, R, C, nc, nr = m3.dims(shape)
     e, f = shape["dtype"], "float32"
     nkb = N // 2 // config["KEY_BJ"]
+    segs = _segments(config, shape)
     dout = (B, S, H, P) if shape["reduceO"] else (B, S, R, H, P)
     return {"Q": (e, (B, S, R, G, N)), "K": (e, (B, S, R, G, N)), "QB": (f, (H, R, N)), "KB": (f, (H, R, N)),
             "V": (e, (B, S, H, P)), "PSI": (f, (H, R, P)), "PHI": (f, (H, R, P)), "ANG": (f, (B, S, H, nr)),
@@ -457,7 +499,8 @@ def _layouts(config: dict, shape: dict) -> dict:
             "DANG": (f, (B, S, H, nr)), "ROW_WS": (f, (B, H, nc, nkb, 4, C)), "DDA_WS": (f, (B, H, nc, nkb)),
             "DPSI_WS": (f, (B, H, nc, R, P)), "DD_WS": (f, (B, H, nc)), "DPSI": (f, (B, H, R, P)),
             "DD": (f, (B, H)), **{k: (f, (B, H, S)) for k in ("DFACTOR", "DGAMMA", "DDA", "DDA_CS", "DDA_CS_REV")},
-            "DSSDA": (f, (B, H, nc, C, C)), "QH": (e, (B, H, nc, C * R, N)), "KH": (e, (B, H, nc, C * R, N))}
+            "DSSDA": (f, (B, H, nc, C, C)), "QH": (e, (B, H, nc, C * R, N)), "KH": (e, (B, H, nc, C * R, N)),
+            "CARRY": (f, (B, H, segs, N, P)), "DECAY": (f, (B, H, segs))}
 
 
 def _params(name: str) -> list[str]:
@@ -470,8 +513,8 @@ def _consts(name: str, config: dict, shape: dict) -> list:
     B, S, H, G, N, P, R, C, nc, nr = m3.dims(shape)
     z, o = bool(shape["hasZ"]), bool(shape["reduceO"])
     base = [H // G, N, P, R, C, nr]
-    if name == "scan":
-        return base + [config["SCAN_BJ"], config["SCAN_BP"], z, o]
+    if name in ("scan", "scan_local"):
+        return base + [config["SCAN_BJ"], config["SCAN_BP"], z, o, _segments(config, shape), name == "scan_local"]
     if name == "key":
         return base + [config["KEY_BJ"], config["KEY_BP"], z, o]
     if name == "value":
@@ -490,7 +533,7 @@ def _signature(name: str, config: dict, shape: dict):
 
 def compile_cubins(config: dict, shape: dict, target: str) -> dict:
     return {name: export_cubin(_kernel(name, config), _signature(name, config, shape), _gpu_code(target))
-            for name in KERNELS}
+            for name in _kernel_names(config, shape)}
 
 
 def compile_for(config: dict, shape: dict, target: str) -> dict:
@@ -501,7 +544,7 @@ def compile_for(config: dict, shape: dict, target: str) -> dict:
         raise ValueError(reason)
     per = {}
     t0 = time.perf_counter()
-    for name in KERNELS:
+    for name in _kernel_names(config, shape):
         t1 = time.perf_counter()
         cubin = export_cubin(_kernel(name, config), _signature(name, config, shape), _gpu_code(target))
         per[name] = {**cubin_resources(cubin, target), "compile_s": time.perf_counter() - t1}
@@ -516,15 +559,17 @@ def compile_for(config: dict, shape: dict, target: str) -> dict:
 
 
 def build(config: dict, shape: dict):
-    """``run(inputs, outputs)``: the four launches on the current stream (each kernel JIT-compiled by cuTile
+    """``run(inputs, outputs)``: the four (five with scan segments) launches on the current stream (each kernel JIT-compiled by cuTile
     on its first call and cached by signature). Returns the value-side kernel's launched resources."""
     config = {**DEFAULTS, **config}
     why = config_reason(config, shape)
     if why:
         raise ValueError(why)
     B, S, H, G, N, P, R, C, nc, nr = m3.dims(shape)
-    kern = {name: _kernel(name, config) for name in KERNELS}
-    consts = {name: _consts(name, config, shape) for name in KERNELS}
+    names = _kernel_names(config, shape)
+    kern = {name: _kernel(name, config) for name in names}
+    consts = {name: _consts(name, config, shape) for name in names}
+    segs = _segments(config, shape)
     scan_tiles = (N // 2 // config["SCAN_BJ"]) * (P // config["SCAN_BP"])
     nkb = N // 2 // config["KEY_BJ"]
     work: dict = {}
@@ -541,6 +586,7 @@ def build(config: dict, shape: dict):
                         rows=torch.zeros(B, H, nc, nkb, 4, C, **f32),
                         dpsi=torch.empty(B, H, nc, R, P, **f32), dd=torch.empty(B, H, nc, **f32),
                         dd_out=torch.empty(B, H, **f32), d=torch.zeros(H, **f32),
+                        carry=torch.empty(B, H, segs, N, P, **f32), decay=torch.empty(B, H, segs, **f32),
                         qh=torch.empty(B, H, nc, C * R, N, dtype=i["Q"].dtype, device=dev),
                         kh=torch.empty(B, H, nc, C * R, N, dtype=i["Q"].dtype, device=dev))
         w = work
@@ -548,9 +594,11 @@ def build(config: dict, shape: dict):
         dpar = i["D"] if shape["hasD"] else w["d"]
         dd_out = o["DD"] if shape["hasD"] else w["dd_out"]
         stream = torch.cuda.current_stream()
-        launches = [
-            ("scan", (scan_tiles, H, B), (i["Q"], i["Q_BIAS"], i["ANGLES"], i["DA_CS"], i["DOUT"], i["MIMO_O"], z, zeta,
-                                          w["ds"])),
+        scan_args = (i["Q"], i["Q_BIAS"], i["ANGLES"], i["DA_CS"], i["DOUT"], i["MIMO_O"], z, zeta, w["ds"], w["carry"],
+                     w["decay"])
+        launches = [("scan_local", (scan_tiles * (segs - 1), H, B), scan_args)] if segs > 1 else []
+        launches += [
+            ("scan", (scan_tiles * segs, H, B), scan_args),
             ("key", (nc * nkb, H, B), (i["Q"], i["K"], i["Q_BIAS"], i["K_BIAS"], i["V"], i["MIMO_V"], i["ANGLES"],
                                        i["DA_CS"], i["DA_CS_REV"], i["DT"], i["TRAP"], i["SEGSUM"], i["DOUT"],
                                        i["MIMO_O"], z, zeta, i["STATES"], w["ds"], o["DQ"], o["DK"], o["DANGLES"],
@@ -565,7 +613,7 @@ def build(config: dict, shape: dict):
             args = tuple(arrays) + tuple(consts[name])
             ct.launch(stream, grid, kern[name], args)
         if not info:
-            name, _, arrays = launches[2]
+            name, _, arrays = launches[-2]
             info.update(_launch_info(kern[name], tuple(arrays) + tuple(consts[name])))
             info["launches"] = len(launches)
         return info
