@@ -51,9 +51,7 @@ def entries(df: pd.DataFrame, device: str) -> list[dict]:
     def is_fresh(module: str, row: pd.Series) -> bool:
         key = (module, row["versions_json"], str(row["git_commit"]), bool(row["git_dirty"]))
         if key not in fresh_of:
-            versions = json.loads(row["versions_json"] or "{}")
-            measured = gate.measured_identity(module, versions, key[2], key[3])
-            fresh_of[key] = not gate.code_changes(measured, current[module]) and not gate.version_changes(versions, pins)
+            fresh_of[key] = not any(gate.row_changes(row, module, current[module], pins))
         return fresh_of[key]
 
     for (kernel, dsl, shape), rows in ok.groupby(["kernel", "dsl", "shape"], sort=True):
