@@ -20,18 +20,19 @@ GB10 = space.get_shape("mamba_bwd_bwd", "gb10")
 D = lane.DEFAULTS
 GB10_LIMIT = get_profile("gb10").smem_optin_bytes
 NAMED = list(space.load_shapes("mamba_bwd_bwd")[0])
-# The rotated form with the least shared memory, then its variants that keep more in shared memory.
-LEAN = {"chunk_form": "rotated", "lean_smem": True, "scan_block_N": 32, "scan_block_P": 32}
-FITTING_CANDIDATES = [{**LEAN, "global_tables": False}, {**LEAN, "global_tables": True},
-                      {**LEAN, "global_tables": True, "threads": 128}, {**LEAN, "global_tables": True,
-                                                                         "scan_stages": 0}]
+# The smallest scan tiles of the space (64 x 16; 32 x 64 where N = 32), then the chunk kernel's
+# variants that keep less in shared memory.
+SMALL_TILES = ({"scan_block_N": 64, "scan_block_P": 16}, {"scan_block_N": 32, "scan_block_P": 64})
+FITTING_CANDIDATES = [{**tile, **extra} for tile in SMALL_TILES for extra in (
+    {}, {"global_tables": True}, {"global_tables": True, "threads": 128}, {"global_tables": True, "scan_stages": 0})]
 
 
 def _fitting(shape: dict, target: str) -> dict:
     """The first candidate that passes the rules and fits GB10 by estimate (None if none does)."""
     for cand in FITTING_CANDIDATES:
         cfg = {**D, **cand}
-        if lane.config_reason(cfg, shape) or lane.shape_target_reason(cfg, shape, target):
+        if lane.config_reason(cfg, shape) or lane.shape_target_reason(cfg, shape, target) or \
+                harness_reason("mamba_bwd_bwd", "tilelang", cfg, shape):
             continue
         if lane.smem_estimate(cfg, shape, target) <= GB10_LIMIT:
             return cfg
@@ -70,20 +71,16 @@ def test_every_named_shape_fits_gb10_and_estimate_equals_compiler(name):
         assert est == got[kernel], (kernel, est, got)
 
 
-_GLOBAL_TABLES = ("grid_n128_p64_r1_c64", {**LEAN, "global_tables": True})
-_PIECES = ("gb10", {"chunk_form": "classic", "pieces": 4, "min_blocks": 2, "scan_block_P": 16})
-_SEGMENTS = ("gb10", {"chunk_form": "rotated", "lean_smem": True, "min_blocks": 2, "scan_threads": 128,
-                      "scan_block_P": 16, "scan_segments": 8})
+_GLOBAL_TABLES = ("grid_n128_p64_r1_c64", {**SMALL_TILES[0], "global_tables": True})
+_SEGMENTS = ("gb10", {"scan_threads": 128, "scan_block_P": 16, "scan_segments": 8})
 
 
 # Each variant compiles for one target in the default run (both targets are covered); the other is slow.
 @pytest.mark.parametrize("target,shape_name,config", [
     # global_tables: the C*R = 64, N = 128 shapes fit GB10 only with the tables read from global memory.
     ("sm_121a", *_GLOBAL_TABLES), pytest.param("sm_90a", *_GLOBAL_TABLES, marks=pytest.mark.slow),
-    # pieces: the scan on a side stream in ranges of chunks, the chunk kernel taking c_lo.
-    ("sm_90a", *_PIECES), pytest.param("sm_121a", *_PIECES, marks=pytest.mark.slow),
     # scan_segments: a local scan pass over segments 1..K-1, then the scan from composed carries.
-    ("sm_121a", *_SEGMENTS), pytest.param("sm_90a", *_SEGMENTS, marks=pytest.mark.slow),
+    ("sm_121a", *_SEGMENTS), ("sm_90a", *_SEGMENTS),
 ])
 def test_new_variants_compile_to_cubins(target, shape_name, config):
     shape = space.get_shape("mamba_bwd_bwd", shape_name)
@@ -100,15 +97,11 @@ def test_new_variants_compile_to_cubins(target, shape_name, config):
         assert staged > GB10_LIMIT             # the staged tables would not fit at C = 64
 
 
-_STAGE_OUT = {"chunk_form": "rotated", "lean_smem": True, "stage_out": True}   # DQ / DK staged: 14 KiB more here
+_STAGE_OUT = {"stage_out": True}   # DQ / DK staged: 14 KiB more here
 
 
 @pytest.mark.parametrize("target,config", [
-    *((t, c) for t in ("sm_90a", "sm_121a") for c in (
-        {"chunk_form": "classic", "aggressive_smem_merge": False, "threads": 128},
-        {"chunk_form": "classic", "lkq_fp32": True, "tma": True},
-        {"chunk_form": "rotated", "lkq_fp32": True, "threads": 512},
-        {"chunk_form": "rotated", "lean_smem": True, "aggressive_smem_merge": False})),
+    *((t, c) for t in ("sm_90a", "sm_121a") for c in ({"threads": 128}, {"global_tables": True})),
     ("sm_90a", _STAGE_OUT), pytest.param("sm_121a", _STAGE_OUT, marks=pytest.mark.slow),
 ])
 def test_chunk_estimate_equals_lowering_at_h100_tuned(target, config):
@@ -168,11 +161,8 @@ def test_options_ranks_and_parity_shapes_lower(case, at_parity_shape):
     ({"scan_block_N": 48}, GB10, "scan_block_N"),
     ({"scan_block_P": 128}, GB10, "divide P"),
     ({"threads": 512}, {**GB10, "R": 1, "C": 16}, "too small"),
-    ({"swizzle": 1}, GB10, "swizzle=1"),
-    ({"global_tables": True}, GB10, "needs chunk_form=rotated"),
-    ({"chunk_form": "other"}, GB10, 'chunk_form="other"'),
-    ({"pieces": 3}, GB10, "pieces=3"),
-    ({"pieces": 2, "scan_segments": 2}, GB10, "needs pieces = 1"),
+    ({"stage_out": 1}, GB10, "stage_out=1"),
+    ({"threads": 512}, GB10, "threads=512"),
     ({"scan_segments": 3}, GB10, "scan_segments=3"),
 ])
 def test_config_rules(config, shape, msg):
@@ -192,7 +182,7 @@ def test_config_rules(config, shape, msg):
 ])
 def test_rotated_warpgroup_rule_matches_the_compiler(target, shape, threads, lowers):
     sh = space.get_shape("mamba_bwd_bwd", shape)
-    cfg = {**D, "chunk_form": "rotated", "threads": threads, "scan_block_N": 32}
+    cfg = {**D, "threads": threads, "scan_block_N": 32}
     assert lane.config_reason(cfg, sh) is None
     refused = lane.shape_target_reason(cfg, sh, target)
     assert (refused is None) == lowers, refused
@@ -205,8 +195,6 @@ def test_rotated_warpgroup_rule_matches_the_compiler(target, shape, threads, low
 
 
 def test_target_rules_and_eligibility():
-    assert lane.target_reason({**D, "tma": True}, "sm_80")
-    assert lane.target_reason({**D, "tma": True}, "sm_90a") is None
     assert "scan_block_N=128" in lane.target_reason({**D, "scan_block_N": 128}, "sm_90a")
     assert lane.target_reason({**D, "scan_block_N": 128}, "sm_121a") is None
     assert lane.eligibility("sm_75") and lane.eligibility("sm_121a") is None
@@ -215,13 +203,12 @@ def test_target_rules_and_eligibility():
     assert "tl.enable_aggressive_shared_memory_merge" not in scan and scan["tl.disable_tma_lower"]
 
 
-# The default run preflights a space of the two chunk forms x lean_smem x global_tables (the other tunables
-# at their defaults); the sweep file's whole space (20,006 configs sampled, 180 distinct programs planned
-# for the estimate, minutes on two cores) is slow.
+# The default run preflights a space of threads x global_tables x stage_out (the other tunables at their
+# defaults); the sweep file's whole space is slow.
 _SMALL_SPACE = """[params]
-chunk_form = ["classic", "rotated"]
-lean_smem = [false, true]
+threads = [128, 256]
 global_tables = [false, true]
+stage_out = [false, true]
 """
 
 
@@ -272,16 +259,15 @@ def _barriers_in_elementwise_loops(source: str) -> int:
 
 
 @pytest.mark.slow      # pins generated text (issue 26): run before a GPU session, `pytest -m slow`
-@pytest.mark.parametrize("kernel,shape", [("scan", "training"), ("chunk", "gb10")])
-def test_rotary_gathers_lower_without_barriers_per_element(kernel, shape):
+def test_rotary_gathers_lower_without_barriers_per_element():
     """The rotary partner of column n is column (n + N/2) mod N. Written as a select between n + N/2 and
     n - N/2, TileLang 0.1.15 could not prove the gather free of conflicts and put two __syncthreads()
     in every unrolled step of the loop (32 barriers per chunk step of the scan at the training shape,
-    on the serial path); the modulo form lowers to vector loads without them. Scan: the training seed;
-    chunk: the classic form (the rotated one holds N in halves and gathers nothing)."""
-    sh = space.get_shape("mamba_bwd_bwd", shape)
+    on the serial path); the modulo form lowers to vector loads without them. The scan of the training
+    seed (the chunk kernel holds N in halves and gathers nothing)."""
+    sh = space.get_shape("mamba_bwd_bwd", "training")
     seeds = [{**D, **dict(s)} for s in space.load_space("mamba_bwd_bwd", "tilelang", lane.TUNABLES).seeds]
-    config = next(s for s in seeds if (s["scan_block_P"] == 128 if kernel == "scan" else s["chunk_form"] == "classic"))
-    art = tl.lower(lane._PROGRAMS[kernel](config, sh), "sm_90a", lane._pass_configs(config, kernel))
+    config = next(s for s in seeds if s["scan_block_P"] == 128)
+    art = tl.lower(lane._PROGRAMS["scan"](config, sh), "sm_90a", lane._pass_configs(config, "scan"))
     assert "#pragma unroll" in art.kernel_source
     assert _barriers_in_elementwise_loops(art.kernel_source) == 0

@@ -16,15 +16,14 @@ every dS_c is known, each chunk's work (about ten GEMMs and all the elementwise 
 2. ``chunk``: grid (nc, H, B), one CTA per chunk: all outputs except the cross-chunk sums, plus
    per-chunk partials of DMIMO_V [B,H,nc,R,P] and DD [B,H,nc] (workspaces). The same-step R x R terms
    (QK_DOT into dPsiV, dqk into DK and DQ) ride in block-diagonal F x F operands of tensor-core GEMMs,
-   and DD is the trace of PsiV dy^T, which the dkq GEMM already holds. Two forms (``chunk_form``):
-   classic keeps q, k unrotated and rotated as F x N tiles and stages dk_hat / dq_hat through an fp32
-   tile for the rotary gradients; rotated keeps only q_hat and rot(k), in N/2-column halves, and does
-   the rotary gradients in registers (see ``_rotated_chunk_program``).
+   and DD is the trace of PsiV dy^T, which the dkq GEMM already holds. Only q_hat and rot(k) live in
+   shared memory, in N/2-column halves, and the rotary gradients are done in registers (see
+   ``_chunk_program``); dPsiV is staged in the input dtype and k_hat.q_hat recomputed for DSSDA
+   instead of kept. Compiled for two CTAs per SM (__launch_bounds__; registers capped at
+   65536 / (2 threads)): two are resident only if the shared memory fits too.
 3. ``reduce``: grid (H, B): DDA on every step, DMIMO_V and DD summed over chunks (deterministic, no
    atomics), one thread per output element.
 
-With ``pieces`` > 1 the scan and the chunk kernel run in that many ranges of chunks, the scan on a
-side stream, so that the chunk work of one range overlaps the scan of the next.
 With ``scan_segments`` K > 1 the scan runs K ranges of chunks at once: a local pass (``scan_local``)
 runs ranges 1..K-1 from dS = 0 and leaves each range's partial dS and decay, then each scan CTA
 starts its range from the carry those compose to. The serial walk is 2 nc/K steps on K times the
@@ -33,32 +32,21 @@ CTAs: it pays where B*H and the dS tiles leave SMs idle.
 Precision follows upstream: GEMM operands in the input dtype (bf16/fp16), fp32 accumulation, the
 elementwise math and every partial in fp32.
 
-Tunables:
-  chunk_form          classic / rotated (above)
-  pieces              ranges of chunks the scan and the chunk kernel run in (above)
-  scan_segments       ranges of chunks the scan walks at once (above; needs pieces = 1)
-  threads             threads of the chunk kernel (128 / 256 / 512)
-  min_blocks          CTAs per SM the chunk kernel is compiled for (__launch_bounds__: 2 caps registers
-                      at 65536 / (2 threads)); two are resident only if the shared memory fits too
+Tunables (values and rules: sweeps/mamba_bwd_bwd/tilelang.toml):
+  scan_segments       ranges of chunks the scan walks at once (above)
+  threads             threads of the chunk kernel (128 / 256)
   scan_threads        threads of the scan kernel (128 / 256 / 512)
   scan_block_N/P      dS tile of one scan CTA (divides N / P). Smaller tiles give more CTAs (what
                       B*H = 32 needs) but recompute q_hat per P tile and dy per N tile
   scan_stages         T.Pipelined stages of the scan's chunk loop (0: no software pipelining)
-  lkq_fp32            keep k_hat.q_hat (F x F, needed again for DSSDA) in fp32 shared memory; False
-                      stores it in the input dtype as upstream does (half the bytes)
-  lean_smem           stage dPsiV in the input dtype and recompute k_hat.q_hat for DSSDA (one more
-                      F x F x N GEMM) instead of keeping it across the dPsiV steps
-  global_tables       rotated form: exp(SEGSUM) and cos / sin of the angles read from global memory
-                      where used instead of staged in shared fp32 tables (C*C*4 + 2*C*N/rd*4 bytes less:
-                      32 KiB at C = 64, N = 128)
-  swizzle             swizzled layouts for the chunk kernel's GEMM operand tiles and its 16-bit tiles
-                      written from accumulators
-  stage_out           rotated form: DQ / DK staged in a shared F x N tile and stored in whole rows
-  tma                 False sets tl.disable_tma_lower
-  warp_specialized    False sets tl.disable_warp_specialized
-  fast_math           True sets tl.enable_fast_math (fast exp/sin/cos)
-  aggressive_smem_merge  True sets tl.enable_aggressive_shared_memory_merge for the chunk kernel
-                      (lifetime-based reuse of shared buffers)
+  global_tables       exp(SEGSUM) and cos / sin of the angles read from global memory where used
+                      instead of staged in shared fp32 tables (C*C*4 + 2*C*N/rd*4 bytes less: 32 KiB at
+                      C = 64, N = 128)
+  stage_out           DQ / DK staged in a shared F x N tile and stored in whole rows
+  fast_math           True sets tl.enable_fast_math (fast exp/sin/cos); false only as the sweep file's
+                      [precision.exact] run option
+Fixed (pass configs): no TMA lowering, no warp specialization, the aggressive shared-memory merge in
+the chunk kernel only (see ``_pass_configs``); GEMM operand tiles swizzled.
 Chunk size C is a problem parameter (it fixes STATES and SEGSUM), not a tunable.
 """
 
@@ -74,11 +62,10 @@ from kernels.tilelang import _smem_plan as smem_plan
 
 DSL = "tilelang"
 KERNEL = "mamba_bwd_bwd"
-TUNABLES = ("chunk_form", "pieces", "scan_segments", "threads", "min_blocks", "scan_threads", "scan_block_N", "scan_block_P", "scan_stages", "lkq_fp32",
-            "lean_smem", "global_tables", "swizzle", "stage_out", "tma", "warp_specialized", "fast_math", "aggressive_smem_merge")
-DEFAULTS = {"chunk_form": "classic", "pieces": 1, "scan_segments": 1, "threads": 256, "min_blocks": 1, "scan_threads": 128, "scan_block_N": 64, "scan_block_P": 32,
-            "scan_stages": 2, "lkq_fp32": False, "lean_smem": False, "global_tables": False, "swizzle": True, "stage_out": False, "tma": False,
-            "warp_specialized": False, "fast_math": True, "aggressive_smem_merge": True}
+TUNABLES = ("scan_segments", "threads", "scan_threads", "scan_block_N", "scan_block_P", "scan_stages", "global_tables",
+            "stage_out", "fast_math")
+DEFAULTS = {"scan_segments": 1, "threads": 256, "scan_threads": 128, "scan_block_N": 64, "scan_block_P": 16,
+            "scan_stages": 2, "global_tables": False, "stage_out": False, "fast_math": True}
 TARGETS = tl.TARGETS
 DTYPES = ("float16", "bfloat16")
 F32 = "float32"
@@ -109,10 +96,6 @@ def config_reason(config: dict, shape: dict) -> str | None:
     if (c["scan_block_N"], c["scan_block_P"], c["scan_threads"]) == (32, 128, 512):
         return ("scan tile 32x128 at 512 threads: TileLang 0.1.15 cannot reduce its DDA row sums (ReduceOp: "
                 "source index depends on a thread-owned reduce segment)")
-    if c["scan_segments"] > 1 and c["pieces"] > 1:
-        return "scan_segments > 1 needs pieces = 1 (the segmented scan runs whole, before the chunk kernel)"
-    if c["global_tables"] and c["chunk_form"] != "rotated":
-        return "global_tables=true needs chunk_form=rotated"
     return None
 
 
@@ -124,10 +107,7 @@ def target_reason(config: dict, target: str) -> str | None:
     """Rules that depend on the target; the TileLang 0.1.15 failures are the compiler's, checked on the
     CPU for every scan tile and chunk form of the space (tests/test_tilelang_mamba.py)."""
     c = {**DEFAULTS, **config}
-    sm90 = tl.cc(target) == 90
-    if tl.cc(target) < 90 and (c["tma"] or c["warp_specialized"]):
-        return f"tma / warp_specialized are sm_90+ features; leave them false on {target}"
-    if sm90 and c["scan_block_N"] == 128:
+    if tl.cc(target) == 90 and c["scan_block_N"] == 128:
         return ("scan_block_N=128 on sm_90: TileLang 0.1.15 cannot reduce the DDA row sums of a 128-row wgmma "
                 "accumulator (ReduceOp: source index depends on a thread-owned reduce segment)")
     return None
@@ -137,10 +117,10 @@ def shape_target_reason(config: dict, shape: dict, target: str) -> str | None:
     """Rules that depend on both the shape and the target."""
     c = {**DEFAULTS, **config}
     half, warpgroups = shape["N"] // 2, c["threads"] // 128
-    if tl.cc(target) == 90 and c["chunk_form"] == "rotated" and half < 16 * warpgroups:
-        return (f"chunk_form=rotated at N={shape['N']} and {c['threads']} threads on sm_90: each of the "
-                f"{warpgroups} warpgroups would hold under 16 of the N/2 = {half} columns (TileLang 0.1.15: "
-                "layout conflict on qh_lo); use fewer threads or chunk_form=classic")
+    if tl.cc(target) == 90 and half < 16 * warpgroups:
+        return (f"N={shape['N']} at {c['threads']} threads on sm_90: each of the {warpgroups} warpgroups "
+                f"would hold under 16 of the N/2 = {half} columns of the chunk kernel's half tiles "
+                "(TileLang 0.1.15: layout conflict on qh_lo); use fewer threads")
     return None
 
 
@@ -148,16 +128,14 @@ def _pass_configs(config: dict, kernel: str) -> dict:
     """Pass configs of one of the three kernels. Only the chunk kernel takes the aggressive merge: in
     the scan, TileLang 0.1.15's planner gave dy_s the memory of z_raw / do_raw, which the loop that
     writes dy_s still reads (scan_stages = 0: every config, every shape), so dS came out wrong."""
-    merge = config["aggressive_smem_merge"] and kernel == "chunk"
-    return tl.pass_configs(config["tma"], config["warp_specialized"], merge, config["fast_math"])
+    return tl.pass_configs(False, False, kernel == "chunk", config["fast_math"])
 
 
 # The scan's T.Pipelined copies, in the order its prologue first touches them (TileLang 0.1.15).
 _SCAN_PIPELINED = ("st_raw", "ang_raw", "q_raw", "do_raw", "z_raw", "da_raw")
 # Config keys that change the shared buffers (or their alignment) of each kernel.
-_SMEM_KEYS = {"chunk": ("chunk_form", "threads", "lean_smem", "lkq_fp32", "global_tables", "stage_out", "aggressive_smem_merge",
-                        "tma"),
-              "scan": ("scan_block_N", "scan_block_P", "scan_stages", "scan_threads", "tma")}
+_SMEM_KEYS = {"chunk": ("threads", "global_tables", "stage_out"),
+              "scan": ("scan_block_N", "scan_block_P", "scan_stages", "scan_threads")}
 
 
 def smem_estimate(config: dict, shape: dict, target: str) -> int:
@@ -178,7 +156,7 @@ def _planned(kernel: str, key: tuple, shape_key: tuple, target: str) -> int:
     config, shape = {**DEFAULTS, **dict(zip(_SMEM_KEYS[kernel], key))}, dict(shape_key)
     program = _PROGRAMS[kernel](config, shape)
     if kernel == "chunk":
-        return smem_plan.planned_bytes(program, target, config["aggressive_smem_merge"],
+        return smem_plan.planned_bytes(program, target, True,
                                        reduce_workspace=4 * config["threads"])
     threads = config["scan_threads"]
     one_warpgroup_wgmma = tl.cc(target) == 90 and threads == 128 and config["scan_block_N"] % 64 == 0
@@ -225,10 +203,9 @@ def _sin(sin_s, ANGLES, b, t0, h, t, j):
 
 
 def _scan_program(config: dict, shape: dict, local: bool = False):
-    """dS scan over the chunks [c_hi - L, c_hi) in reverse, L = nc / pieces: the first piece starts
-    from dS = 0, later ones from the fp32 dS the previous piece left in CARRY.
+    """dS scan over the chunks in reverse, from dS = 0.
 
-    With K = scan_segments > 1 (pieces = 1), the chunks are K segments of L = nc / K and the grid has a
+    With K = scan_segments > 1, the chunks are K segments of L = nc / K and the grid has a
     CTA per (tile, segment). ``local``: segments 1..K-1 each run their chunks from dS = 0 without writing
     dS, leaving that partial dS (fp32) in CARRY[:, :, k] and the segment's whole decay
     exp(sum of DA_CS at each chunk's last step) in SEG_DECAY[:, :, k]. The main scan then starts
@@ -243,9 +220,8 @@ def _scan_program(config: dict, shape: dict, local: bool = False):
     half = N // 2
     reduceO, hasZ = shape["reduceO"], shape["hasZ"]
     dout_shape = (B, S, H, P) if reduceO else (B, S, R, H, P)
-    pieces = _pieces(config, shape)
     K = _segments(config, shape)
-    L = nc // (pieces * K)
+    L = nc // K
     grid_segments, seg_first = (K - 1, 1) if local else (K, 0)
 
     @T.prim_func
@@ -255,7 +231,7 @@ def _scan_program(config: dict, shape: dict, local: bool = False):
              MIMO_O: T.Tensor((H, R, P), F32), MIMO_Z: T.Tensor((H, R, P), F32),
              STATES: T.Tensor((B, H, nc, N, P), "bfloat16"), DSTATES: T.Tensor((B, H, nc, N, P), dtype),
              DDA_PART: T.Tensor((B, H, nc, tiles), F32), CARRY: T.Tensor((B, H, K, N, P), F32),
-             SEG_DECAY: T.Tensor((B, H, K), F32), c_hi: T.int32):
+             SEG_DECAY: T.Tensor((B, H, K), F32)):
         with T.Kernel(H, B, tiles * grid_segments, threads=threads) as (h, b, bz):
             hq = h // (H // G)
             tile = bz % tiles
@@ -270,8 +246,9 @@ def _scan_program(config: dict, shape: dict, local: bool = False):
             z_raw = T.alloc_shared((C, bp), dtype)
             # per-head constants and per-step tables
             qb_s = T.alloc_shared((R, N), F32)
-            mo_s = T.alloc_shared((R, bp), F32)
-            mz_s = T.alloc_shared((R, bp), F32)
+            # only where read: an unread copy still takes bytes the preflight estimate would have to model
+            mo_s = T.alloc_shared((R, bp), F32) if reduceO else None
+            mz_s = T.alloc_shared((R, bp), F32) if hasZ else None
             cos_s = T.alloc_shared((C, nr), F32)
             sin_s = T.alloc_shared((C, nr), F32)
             ea_s = T.alloc_shared((C,), F32)
@@ -291,12 +268,11 @@ def _scan_program(config: dict, shape: dict, local: bool = False):
                 log_decay = T.alloc_fragment((1,), F32)
                 T.clear(log_decay)
             T.copy(Q_BIAS[h, :, :], qb_s)
-            T.copy(MIMO_O[h, :, p0:p0 + bp], mo_s)
-            T.copy(MIMO_Z[h, :, p0:p0 + bp], mz_s)
-            if pieces > 1:
-                T.copy(CARRY[b, h, 0, n0:n0 + bn, p0:p0 + bp], ds_f)
-            else:
-                T.clear(ds_f)
+            if reduceO:
+                T.copy(MIMO_O[h, :, p0:p0 + bp], mo_s)
+            if hasZ:
+                T.copy(MIMO_Z[h, :, p0:p0 + bp], mz_s)
+            T.clear(ds_f)
             if K > 1 and not local:
                 # carry_k = CARRY_{k+1} + decay_{k+1} (CARRY_{k+2} + decay_{k+2} (...)), innermost first
                 for jj in T.serial(K - 1):
@@ -305,10 +281,7 @@ def _scan_program(config: dict, shape: dict, local: bool = False):
                         for i, p in T.Parallel(bn, bp):
                             ds_f[i, p] = ds_f[i, p] * SEG_DECAY[b, h, j] + CARRY[b, h, j, n0 + i, p0 + p]
             for it in T.Pipelined(L, num_stages=stages):
-                if K > 1:
-                    c = (seg + 1) * L - 1 - it
-                else:
-                    c = (c_hi if pieces > 1 else nc) - 1 - it      # static when whole: no bounds guards
+                c = (seg + 1) * L - 1 - it if K > 1 else nc - 1 - it    # static when whole: no bounds guards
                 T.copy(Q[b, c * C:(c + 1) * C, :, hq, :], q_raw)
                 T.copy(ANGLES[b, c * C:(c + 1) * C, h, :], ang_raw)
                 T.copy(DA_CS[b, h, c * C:(c + 1) * C], da_raw)
@@ -368,8 +341,6 @@ def _scan_program(config: dict, shape: dict, local: bool = False):
                 T.copy(ds_f, CARRY[b, h, seg, n0:n0 + bn, p0:p0 + bp])
                 for i in T.Parallel(1):
                     SEG_DECAY[b, h, seg] = T.exp(log_decay[i])    # the same value from every tile
-            elif pieces > 1:
-                T.copy(ds_f, CARRY[b, h, 0, n0:n0 + bn, p0:p0 + bp])
 
     return scan
 
@@ -381,22 +352,15 @@ def _fragment_written(dtype: str, *bufs):
     return [buf for buf in bufs if buf is not None and buf.dtype == dtype]
 
 
-def _pieces(config: dict, shape: dict) -> int:
-    """Pieces the scan and the chunk kernel run in: the largest divisor of the chunk count that is
-    at most ``pieces`` (a chunk count it does not divide, as at the small parity shapes, takes fewer)."""
-    nc = shape["S"] // shape["C"]
-    return max(k for k in range(1, config["pieces"] + 1) if nc % k == 0)
-
-
 def _segments(config: dict, shape: dict) -> int:
     """Segments of the scan (see ``_scan_program``): the largest divisor of the chunk count that is at
-    most ``scan_segments``, as for pieces."""
+    most ``scan_segments`` (a chunk count it does not divide, as at the small parity shapes, takes fewer)."""
     nc = shape["S"] // shape["C"]
     return max(k for k in range(1, config["scan_segments"] + 1) if nc % k == 0)
 
 
 def _chunk_macros(shape: dict):
-    """Macros the two chunk-kernel forms share (inlined where called)."""
+    """Macros of the chunk kernel (inlined where called)."""
     B, S, H, G, N, P, R, C, nc, nr, F = _dims(shape)
     half = N // 2
 
@@ -446,16 +410,13 @@ def _chunk_macros(shape: dict):
         T.copy(dmv_f, DMV_PART[b, h, c, :, :])
 
     @T.macro
-    def dkq_terms(b, h, c, t0, lean, DSSDA, DD_PART, DGAMMA_DIAG, acc_ff, lkq_f, prod_s, w_s, pv_s, wd_s, seg_s,
+    def dkq_terms(b, h, c, t0, DSSDA, DD_PART, DGAMMA_DIAG, acc_ff, lkq_f, prod_s, w_s, pv_s, wd_s, seg_s,
                   SEGSUM, gam_s, qkd_s, cc_f, row_f, one_d, c_f):
-        """From dkq = PsiV dy^T in acc_ff (row s, column t) and k_hat.q_hat (lkq_f, or kept in prod_s):
+        """From dkq = PsiV dy^T in acc_ff (row s, column t) and k_hat.q_hat (recomputed in lkq_f):
         DSSDA, the masked dkq (w_s), the same-step products pv and their block-diagonal operand wd_s,
         the DD partial and DGAMMA_DIAG."""
         for i, j in T.Parallel(F, F):
-            if lean:
-                prod_s[i, j] = lkq_f[i, j] * acc_ff[i, j]
-            else:
-                prod_s[i, j] = T.cast(prod_s[i, j], F32) * acc_ff[i, j]
+            prod_s[i, j] = lkq_f[i, j] * acc_ff[i, j]
             w_s[i, j] = acc_ff[i, j] * _seg(seg_s, SEGSUM, b, h, c, j // R, i // R)
             if i // R == j // R:
                 # same-step block: pv[t, o, i'] = dy_{t,o} . PsiV_{t,i'} = dkq[t*R + i', t*R + o]
@@ -493,31 +454,6 @@ def _chunk_macros(shape: dict):
         T.copy(c_f, out)
 
     @T.macro
-    def angle_grad(g_s, x_s, cos_s, sin_s, fac_s, ang_s, first):
-        """dL/dangle of the rotary pairs from g_s = dL/d(rotated x) and the unrotated x_s; the k side
-        (``first``) scales by factor and writes ang_s, the q side adds to it."""
-        for f, j in T.Parallel(F, nr):
-            x0 = T.cast(x_s[f, j], F32)
-            x1 = T.cast(x_s[f, half + j], F32)
-            cs = cos_s[f // R, j]
-            sn = sin_s[f // R, j]
-            if first:
-                ang_s[f, j] = fac_s[f // R] * (g_s[f, j] * (-x0 * sn - x1 * cs) + g_s[f, half + j] * (x0 * cs - x1 * sn))
-            else:
-                ang_s[f, j] = ang_s[f, j] + g_s[f, j] * (-x0 * sn - x1 * cs) + g_s[f, half + j] * (x0 * cs - x1 * sn)
-
-    @T.macro
-    def rotate_back(g_s, cos_s, sin_s, out):
-        """out = g_s with the rotary rotation of each pair undone (dL/d(rotated x) -> dL/dx)."""
-        for f, n in T.Parallel(F, N):
-            m = n % half
-            partner = (n + half) % N
-            sgn = T.if_then_else(n < half, 1.0, -1.0)
-            cs = cos_s[f // R, m % nr]
-            sn = sin_s[f // R, m % nr]
-            out[f, n] = T.if_then_else(m < nr, g_s[f, n] * cs + sgn * g_s[f, partner] * sn, g_s[f, n])
-
-    @T.macro
     def angles_out(b, t0, h, DANGLES, ang_s, ang_f):
         """DANGLES = the angle gradients of the R ranks of each step, summed."""
         T.clear(ang_f)
@@ -527,12 +463,11 @@ def _chunk_macros(shape: dict):
         T.copy(ang_f, DANGLES[b, t0:t0 + C, h, :])
 
     return dict(step_tables=step_tables, value_tiles=value_tiles, dv_dmv=dv_dmv, dkq_terms=dkq_terms,
-                per_step_row_sum=per_step_row_sum, angle_grad=angle_grad, rotate_back=rotate_back,
-                angles_out=angles_out)
+                per_step_row_sum=per_step_row_sum, angles_out=angles_out)
 
 
 def _chunk_signature(shape: dict):
-    """The chunk kernel's tensors (both forms take the same arguments)."""
+    """The chunk kernel's tensors."""
     B, S, H, G, N, P, R, C, nc, nr, F = _dims(shape)
     dtype = shape["dtype"]
     dout_shape = (B, S, H, P) if shape["reduceO"] else (B, S, R, H, P)
@@ -552,166 +487,7 @@ def _chunk_signature(shape: dict):
 
 
 def _chunk_program(config: dict, shape: dict):
-    return (_rotated_chunk_program if config["chunk_form"] == "rotated" else _classic_chunk_program)(config, shape)
-
-
-def _classic_chunk_program(config: dict, shape: dict):
-    """Chunk kernel, classic form: q and k kept unrotated (qp, kp) and rotated (qh, kh = rot(k) *
-    factor) as F x N tiles; dk_hat / dq_hat staged through an fp32 F x N tile (g_s) for the rotary
-    gradients."""
-    B, S, H, G, N, P, R, C, nc, nr, F = _dims(shape)
-    dtype = shape["dtype"]
-    threads = config["threads"]
-    lean = config["lean_smem"]
-    half = N // 2
-    hasD = shape["hasD"]
-    m = _chunk_macros(shape)
-    sig = _chunk_signature(shape)
-
-    @T.prim_func
-    def chunk(Q: sig["Q"], K: sig["K"], V: sig["V"], Q_BIAS: sig["Q_BIAS"], K_BIAS: sig["K_BIAS"],
-              MIMO_V: sig["MIMO_V"], MIMO_O: sig["MIMO_O"], MIMO_Z: sig["MIMO_Z"], Z: sig["Z"], D: sig["D"],
-              ANGLES: sig["ANGLES"], DA_CS: sig["DA_CS"], DA_CS_REV: sig["DA_CS_REV"], DT: sig["DT"],
-              TRAP: sig["TRAP"], STATES: sig["STATES"], QK_DOT: sig["QK_DOT"], SEGSUM: sig["SEGSUM"],
-              DOUT: sig["DOUT"], DSTATES: sig["DSTATES"], DQ: sig["DQ"], DK: sig["DK"], DV: sig["DV"],
-              DANGLES: sig["DANGLES"], DFACTOR: sig["DFACTOR"], DGAMMA_DIAG: sig["DGAMMA_DIAG"],
-              DDA_CS: sig["DDA_CS"], DDA_CS_REV: sig["DDA_CS_REV"], DSSDA: sig["DSSDA"],
-              DMV_PART: sig["DMV_PART"], DD_PART: sig["DD_PART"], c_lo: T.int32):
-        with T.Kernel(nc // _pieces(config, shape), H, B, threads=threads) as (ci, h, b):
-            c = c_lo + ci if _pieces(config, shape) > 1 else ci
-            if config["min_blocks"] > 1:
-                T.annotate_min_blocks_per_sm(config["min_blocks"])
-            hq = h // (H // G)
-            t0 = c * C
-            qp_s = T.alloc_shared((F, N), dtype)
-            qh_s = T.alloc_shared((F, N), dtype)
-            kp_s = T.alloc_shared((F, N), dtype)
-            kh_s = T.alloc_shared((F, N), dtype)
-            psiv_s = T.alloc_shared((F, P), dtype)
-            dy_s = T.alloc_shared((F, P), dtype)
-            st_s = T.alloc_shared((N, P), dtype)
-            ds_s = T.alloc_shared((N, P), dtype)
-            w_s = T.alloc_shared((F, F), dtype)
-            wd_s = T.alloc_shared((F, F), dtype)        # block diagonal: the same-step R x R terms of DK / DQ
-            prod_s = T.alloc_shared((F, F), F32 if config["lkq_fp32"] else dtype)
-            pv_s = T.alloc_shared((F, R), F32)
-            g_s = T.alloc_shared((F, N), F32)
-            dpsiv_s = T.alloc_shared((F, P), dtype if lean else F32)
-            rows_s = T.alloc_shared((F,), F32)
-            ea_s = T.alloc_shared((C,), F32)
-            er_s = T.alloc_shared((C,), F32)
-            gam_s = T.alloc_shared((C,), F32)
-            fac_s = T.alloc_shared((C,), F32)
-            seg_s = T.alloc_shared((C, C), F32)
-            cos_s = T.alloc_shared((C, nr), F32)
-            sin_s = T.alloc_shared((C, nr), F32)
-            qkd_s = T.alloc_shared((F, R), F32)
-            ang_s = T.alloc_shared((F, nr), F32)
-            if config["swizzle"]:
-                T.annotate_layout({buf: tilelang.layout.make_swizzled_layout(buf)
-                                   for buf in (qp_s, qh_s, kp_s, kh_s, psiv_s, dy_s, st_s, ds_s, w_s, wd_s,
-                                               *_fragment_written(dtype, prod_s, dpsiv_s))})
-
-            acc_fp = T.alloc_fragment((F, P), F32)
-            acc_ff = T.alloc_fragment((F, F), F32)
-            lkq_f = T.alloc_fragment((F, F), F32) if lean else None
-            acc_fn = T.alloc_fragment((F, N), F32)
-            tmp_fn = T.alloc_fragment((F, N), F32)
-            row_f = T.alloc_fragment((F,), F32)
-            c_f = T.alloc_fragment((C,), F32)
-            one_d = T.alloc_fragment((1,), F32)
-            cc_f = T.alloc_fragment((C, C), F32)
-            dv_f = T.alloc_fragment((C, P), F32)
-            dmv_f = T.alloc_fragment((R, P), F32)
-            ang_f = T.alloc_fragment((C, nr), F32)
-
-            m["step_tables"](b, h, c, t0, DA_CS, DA_CS_REV, DT, TRAP, SEGSUM, ANGLES, QK_DOT, ea_s, er_s, gam_s,
-                             fac_s, seg_s, cos_s, sin_s, qkd_s)
-            # ---- operand tiles
-            for f, n in T.Parallel(F, N):
-                qp_s[f, n] = T.cast(Q[b, t0 + f // R, f % R, hq, n], F32) + Q_BIAS[h, f % R, n]
-                kp_s[f, n] = T.cast(K[b, t0 + f // R, f % R, hq, n], F32) + K_BIAS[h, f % R, n]
-            m["value_tiles"](b, h, t0, V, MIMO_V, DOUT, Z, MIMO_O, MIMO_Z, psiv_s, dy_s)
-            T.copy(DSTATES[b, h, c, :, :], ds_s)
-            for f, n in T.Parallel(F, N):
-                mm = n % half
-                partner = (n + half) % N
-                sgn = T.if_then_else(n < half, -1.0, 1.0)
-                cs = cos_s[f // R, mm % nr]
-                sn = sin_s[f // R, mm % nr]
-                xq = T.cast(qp_s[f, n], F32)
-                yq = T.cast(qp_s[f, partner], F32)
-                xk = T.cast(kp_s[f, n], F32)
-                yk = T.cast(kp_s[f, partner], F32)
-                qh_s[f, n] = T.if_then_else(mm < nr, xq * cs + sgn * yq * sn, xq)
-                kh_s[f, n] = T.if_then_else(mm < nr, xk * cs + sgn * yk * sn, xk) * fac_s[f // R]
-
-            # ---- dPsiV = exp(DA_CS_REV) k_hat dS + (masked k_hat q_hat^T) dy + D dy + diagonal
-            T.gemm(kh_s, ds_s, acc_fp, clear_accum=True)
-            for f, p in T.Parallel(F, P):
-                acc_fp[f, p] = acc_fp[f, p] * er_s[f // R]
-            T.gemm(kh_s, qh_s, acc_ff, transpose_B=True, clear_accum=True)      # lkq[s, t]
-            if not lean:
-                T.copy(acc_ff, prod_s)
-            # Masked lkq (earlier steps) and, on the same-step R x R blocks, gamma * QK_DOT^T: one GEMM
-            # with dy instead of an R-deep loop over shared memory per element.
-            for i, j in T.Parallel(F, F):
-                w_s[i, j] = T.if_then_else(i // R == j // R, gam_s[i // R] * qkd_s[j, i % R],
-                                           acc_ff[i, j] * seg_s[j // R, i // R])
-            T.gemm(w_s, dy_s, acc_fp)
-            if hasD:
-                for f, p in T.Parallel(F, P):
-                    acc_fp[f, p] = acc_fp[f, p] + D[h] * T.cast(dy_s[f, p], F32)
-            T.copy(acc_fp, dpsiv_s)
-            m["dv_dmv"](b, h, c, t0, V, MIMO_V, DV, DMV_PART, dpsiv_s, dv_f, dmv_f)
-
-            # ---- dkq = PsiV dy^T (row s, column t): DSSDA, the same-step diagonal, masked copy
-            T.gemm(psiv_s, dy_s, acc_ff, transpose_B=True, clear_accum=True)
-            if lean:
-                T.gemm(kh_s, qh_s, lkq_f, transpose_B=True, clear_accum=True)     # lkq again, not kept
-            m["dkq_terms"](b, h, c, t0, lean, DSSDA, DD_PART, DGAMMA_DIAG, acc_ff, lkq_f, prod_s, w_s, pv_s, wd_s,
-                           seg_s, SEGSUM, gam_s, qkd_s, cc_f, row_f, one_d, c_f)
-
-            # ---- dk_hat = exp(DA_CS_REV) PsiV dS^T + masked dkq q_hat; DDA_CS_REV, DFACTOR, DK
-            T.gemm(psiv_s, ds_s, acc_fn, transpose_B=True, clear_accum=True)
-            for f, n in T.Parallel(F, N):
-                tmp_fn[f, n] = acc_fn[f, n] * T.cast(kh_s[f, n], F32)
-            m["per_step_row_sum"](tmp_fn, row_f, rows_s, c_f, DDA_CS_REV[b, h, t0:t0 + C])
-            for f, n in T.Parallel(F, N):
-                acc_fn[f, n] = acc_fn[f, n] * er_s[f // R]
-            T.gemm(w_s, qh_s, acc_fn)
-            T.copy(acc_fn, g_s)                                                  # dk_hat (rotated frame)
-            m["angle_grad"](g_s, kp_s, cos_s, sin_s, fac_s, ang_s, True)
-            m["rotate_back"](g_s, cos_s, sin_s, tmp_fn)
-            for f, n in T.Parallel(F, N):
-                acc_fn[f, n] = tmp_fn[f, n] * T.cast(kp_s[f, n], F32)
-            m["per_step_row_sum"](acc_fn, row_f, rows_s, c_f, DFACTOR[b, h, t0:t0 + C])
-            for f, n in T.Parallel(F, N):
-                acc_fn[f, n] = fac_s[f // R] * tmp_fn[f, n]
-            T.gemm(wd_s, qp_s, acc_fn)                                           # same-step terms
-            T.copy(acc_fn, DK[b, c * F:(c + 1) * F, h, :])
-
-            # ---- dq_hat = exp(DA_CS) dy S_c^T + masked dkq^T k_hat; DDA_CS, DQ, DANGLES
-            T.copy(STATES[b, h, c, :, :], st_s)     # loaded once dS_c is dead: the two can share memory
-            T.gemm(dy_s, st_s, acc_fn, transpose_B=True, clear_accum=True)
-            for f, n in T.Parallel(F, N):
-                tmp_fn[f, n] = acc_fn[f, n] * T.cast(qh_s[f, n], F32)
-            m["per_step_row_sum"](tmp_fn, row_f, rows_s, c_f, DDA_CS[b, h, t0:t0 + C])
-            for f, n in T.Parallel(F, N):
-                acc_fn[f, n] = acc_fn[f, n] * ea_s[f // R]
-            T.gemm(w_s, kh_s, acc_fn, transpose_A=True)
-            T.copy(acc_fn, g_s)                                                  # dq_hat
-            m["angle_grad"](g_s, qp_s, cos_s, sin_s, fac_s, ang_s, False)
-            m["angles_out"](b, t0, h, DANGLES, ang_s, ang_f)
-            m["rotate_back"](g_s, cos_s, sin_s, acc_fn)
-            T.gemm(wd_s, kp_s, acc_fn, transpose_A=True)                         # same-step terms
-            T.copy(acc_fn, DQ[b, c * F:(c + 1) * F, h, :])
-
-    return chunk
-
-
-def _rotated_chunk_program(config: dict, shape: dict):
-    """Chunk kernel, rotated form: only q_hat = rot(q) and k_rot = rot(k) live in shared memory, each
+    """Chunk kernel: only q_hat = rot(q) and k_rot = rot(k) live in shared memory, each
     as two F x N/2 tiles holding the columns [0, N/2) and [N/2, N), so that a rotary pair (n, N/2 + n)
     sits at the same index of the two halves and every GEMM result on them comes as two fragments
     with one layout: the rotary gradients and the inverse rotation are elementwise in registers.
@@ -724,7 +500,6 @@ def _rotated_chunk_program(config: dict, shape: dict):
     B, S, H, G, N, P, R, C, nc, nr, F = _dims(shape)
     dtype = shape["dtype"]
     threads = config["threads"]
-    lean = config["lean_smem"]
     half = N // 2
     hasD = shape["hasD"]
     m = _chunk_macros(shape)
@@ -787,11 +562,9 @@ def _rotated_chunk_program(config: dict, shape: dict):
               DOUT: sig["DOUT"], DSTATES: sig["DSTATES"], DQ: sig["DQ"], DK: sig["DK"], DV: sig["DV"],
               DANGLES: sig["DANGLES"], DFACTOR: sig["DFACTOR"], DGAMMA_DIAG: sig["DGAMMA_DIAG"],
               DDA_CS: sig["DDA_CS"], DDA_CS_REV: sig["DDA_CS_REV"], DSSDA: sig["DSSDA"],
-              DMV_PART: sig["DMV_PART"], DD_PART: sig["DD_PART"], c_lo: T.int32):
-        with T.Kernel(nc // _pieces(config, shape), H, B, threads=threads) as (ci, h, b):
-            c = c_lo + ci if _pieces(config, shape) > 1 else ci
-            if config["min_blocks"] > 1:
-                T.annotate_min_blocks_per_sm(config["min_blocks"])
+              DMV_PART: sig["DMV_PART"], DD_PART: sig["DD_PART"]):
+        with T.Kernel(nc, H, B, threads=threads) as (c, h, b):
+            T.annotate_min_blocks_per_sm(2)
             hq = h // (H // G)
             t0 = c * C
             qh_lo = T.alloc_shared((F, half), dtype)
@@ -807,9 +580,9 @@ def _rotated_chunk_program(config: dict, shape: dict):
             w_s = T.alloc_shared((F, F), dtype)         # masked dkq (dk side), first the dPsiV operand
             wq_s = T.alloc_shared((F, F), dtype)        # masked dkq scaled by factor_s (dq side)
             wd_s = T.alloc_shared((F, F), dtype)        # block diagonal: the same-step R x R terms
-            prod_s = T.alloc_shared((F, F), F32 if config["lkq_fp32"] else dtype)
+            prod_s = T.alloc_shared((F, F), dtype)     # k_hat.q_hat * dkq, summed into DSSDA
             pv_s = T.alloc_shared((F, R), F32)
-            dpsiv_s = T.alloc_shared((F, P), dtype if lean else F32)
+            dpsiv_s = T.alloc_shared((F, P), dtype)
             rows_s = T.alloc_shared((F,), F32)
             ea_s = T.alloc_shared((C,), F32)
             er_s = T.alloc_shared((C,), F32)
@@ -822,15 +595,13 @@ def _rotated_chunk_program(config: dict, shape: dict):
             qkd_s = T.alloc_shared((F, R), F32)
             ang_s = T.alloc_shared((F, nr), F32)
             out_s = T.alloc_shared((F, N), dtype) if config["stage_out"] else None
-            if config["swizzle"]:
-                T.annotate_layout({buf: tilelang.layout.make_swizzled_layout(buf)
-                                   for buf in (qh_lo, qh_hi, kr_lo, kr_hi, psiv_s, dy_s, ds_lo, ds_hi, st_lo,
-                                               st_hi, w_s, wq_s, wd_s,
-                                               *_fragment_written(dtype, prod_s, dpsiv_s, out_s))})
+            T.annotate_layout({buf: tilelang.layout.make_swizzled_layout(buf)
+                               for buf in (qh_lo, qh_hi, kr_lo, kr_hi, psiv_s, dy_s, ds_lo, ds_hi, st_lo, st_hi,
+                                           w_s, wq_s, wd_s, *_fragment_written(dtype, prod_s, dpsiv_s, out_s))})
 
             acc_fp = T.alloc_fragment((F, P), F32)
             acc_ff = T.alloc_fragment((F, F), F32)
-            lkq_f = T.alloc_fragment((F, F), F32) if lean else None
+            lkq_f = T.alloc_fragment((F, F), F32)
             lo_f = T.alloc_fragment((F, half), F32)
             hi_f = T.alloc_fragment((F, half), F32)
             tmp_f = T.alloc_fragment((F, half), F32)
@@ -861,8 +632,6 @@ def _rotated_chunk_program(config: dict, shape: dict):
             T.gemm(kr_hi, qh_hi, acc_ff, transpose_B=True)
             for i, j in T.Parallel(F, F):
                 acc_ff[i, j] = acc_ff[i, j] * fac_s[i // R]                 # lkq[s, t] = k_hat_s . q_hat_t
-            if not lean:
-                T.copy(acc_ff, prod_s)
             for i, j in T.Parallel(F, F):
                 w_s[i, j] = T.if_then_else(i // R == j // R, gam_s[i // R] * qkd_s[j, i % R],
                                            acc_ff[i, j] * _seg(seg_s, SEGSUM, b, h, c, j // R, i // R))
@@ -875,12 +644,12 @@ def _rotated_chunk_program(config: dict, shape: dict):
 
             # ---- dkq = PsiV dy^T (row s, column t): DSSDA, masked copies, same-step terms
             T.gemm(psiv_s, dy_s, acc_ff, transpose_B=True, clear_accum=True)
-            if lean:
-                T.gemm(kr_lo, qh_lo, lkq_f, transpose_B=True, clear_accum=True)
-                T.gemm(kr_hi, qh_hi, lkq_f, transpose_B=True)
-                for i, j in T.Parallel(F, F):
-                    lkq_f[i, j] = lkq_f[i, j] * fac_s[i // R]
-            m["dkq_terms"](b, h, c, t0, lean, DSSDA, DD_PART, DGAMMA_DIAG, acc_ff, lkq_f, prod_s, w_s, pv_s, wd_s,
+            # lkq again (recomputed: keeping it across the dPsiV steps costs an F x F tile of shared memory)
+            T.gemm(kr_lo, qh_lo, lkq_f, transpose_B=True, clear_accum=True)
+            T.gemm(kr_hi, qh_hi, lkq_f, transpose_B=True)
+            for i, j in T.Parallel(F, F):
+                lkq_f[i, j] = lkq_f[i, j] * fac_s[i // R]
+            m["dkq_terms"](b, h, c, t0, DSSDA, DD_PART, DGAMMA_DIAG, acc_ff, lkq_f, prod_s, w_s, pv_s, wd_s,
                            seg_s, SEGSUM, gam_s, qkd_s, cc_f, row_f, one_d, c_f)
 
             # ---- dk_hat = exp(DA_CS_REV) PsiV dS^T + masked dkq q_hat; DDA_CS_REV, DFACTOR, DK
@@ -1019,13 +788,8 @@ def _check_layout(name: str, program, source: str) -> None:
 
 
 def build(config: dict, shape: dict):
-    """Compile the three kernels for the current GPU's explicit target and return ``run``; the
-    dS and partial-sum workspaces are allocated once per device on the first call.
-
-    With more than one piece, each scan piece runs on a high-priority side stream and the chunk
-    kernel of that piece's chunks on the caller's stream after it (a CUDA event), so the chunk work
-    of piece k overlaps the scan of piece k + 1; the side stream first waits for the caller's
-    stream, and the caller's stream has waited for every piece when ``run`` returns."""
+    """Compile the kernels for the current GPU's explicit target and return ``run``; the dS, carry and
+    partial-sum workspaces are allocated once per device on the first call."""
     config = {**DEFAULTS, **config}
     target = tl.device_target()
     _refuse(config, shape, target)
@@ -1037,8 +801,7 @@ def build(config: dict, shape: dict):
         _check_layout(name, program, kernels[name].get_kernel_source())
     info = _launch_info(kernels, config, shape, target)
     B, S, H, G, N, P, R, C, nc, nr, F = _dims(shape)
-    pieces, segments = _pieces(config, shape), _segments(config, shape)
-    L = nc // pieces
+    segments = _segments(config, shape)
     work: dict = {}
 
     def run(inputs, outputs):
@@ -1050,31 +813,19 @@ def build(config: dict, shape: dict):
                         dd_out=torch.empty(B, H, dtype=torch.float32, device=dev),
                         dda=torch.empty(B, H, nc, _scan_tiles(config, shape), dtype=torch.float32, device=dev),
                         carry=torch.empty(B, H, segments, N, P, dtype=torch.float32, device=dev),
-                        decay=torch.empty(B, H, segments, dtype=torch.float32, device=dev),
-                        side=torch.cuda.Stream(dev, priority=-1) if pieces > 1 else None,
-                        events=[torch.cuda.Event() for _ in range(pieces)])
+                        decay=torch.empty(B, H, segments, dtype=torch.float32, device=dev))
         i, o = inputs, outputs
         z, mo, mz, d = i["Z"], i["MIMO_O"], i["MIMO_Z"], i["D"]
-        main = torch.cuda.current_stream(dev)
-        if work["side"] is not None:
-            work["side"].wait_stream(main)
         scan_args = (i["Q"], i["Q_BIAS"], i["ANGLES"], i["DA_CS"], i["DOUT"], z, mo, mz, i["STATES"], work["ds"],
                      work["dda"], work["carry"], work["decay"])
         if segments > 1:
-            kernels["scan_local"](*scan_args, nc)
-        for k in range(pieces):
-            with torch.cuda.stream(work["side"] or main):
-                if k == 0 and pieces > 1:
-                    work["carry"].zero_()                       # the first piece starts from dS = 0
-                kernels["scan"](*scan_args, nc - k * L)
-                work["events"][k].record()
-        for k in range(pieces):
-            main.wait_event(work["events"][k])
-            kernels["chunk"](i["Q"], i["K"], i["V"], i["Q_BIAS"], i["K_BIAS"], i["MIMO_V"], mo, mz, z, d,
-                             i["ANGLES"], i["DA_CS"], i["DA_CS_REV"], i["DT"], i["TRAP"], i["STATES"], i["QK_DOT"],
-                             i["SEGSUM"], i["DOUT"], work["ds"], o["DQ"], o["DK"], o["DV"], o["DANGLES"],
-                             o["DFACTOR"], o["DGAMMA_DIAG"], o["DDA_CS"], o["DDA_CS_REV"], o["DSSDA"], work["dmv"],
-                             work["dd"], nc - (k + 1) * L)
+            kernels["scan_local"](*scan_args)
+        kernels["scan"](*scan_args)
+        kernels["chunk"](i["Q"], i["K"], i["V"], i["Q_BIAS"], i["K_BIAS"], i["MIMO_V"], mo, mz, z, d,
+                         i["ANGLES"], i["DA_CS"], i["DA_CS_REV"], i["DT"], i["TRAP"], i["STATES"], i["QK_DOT"],
+                         i["SEGSUM"], i["DOUT"], work["ds"], o["DQ"], o["DK"], o["DV"], o["DANGLES"],
+                         o["DFACTOR"], o["DGAMMA_DIAG"], o["DDA_CS"], o["DDA_CS_REV"], o["DSSDA"], work["dmv"],
+                         work["dd"])
         kernels["reduce"](work["dmv"], work["dd"], work["dda"], i["DA_CS"], o["DMIMO_V"],
                           o["DD"] if shape["hasD"] else work["dd_out"], o["DDA"])
         return info
