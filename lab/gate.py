@@ -159,7 +159,31 @@ def ok_rows(df: pd.DataFrame) -> pd.DataFrame:
     precision = df["precision"].fillna("") if "precision" in df else ""
     keep = (df["status"] == "ok") & ~df["compile_only"].fillna(False).astype(bool) & df["time_ms"].notna() \
         & (df["phase"] != "gate_previous") & (precision == "")
+    keep &= pd.Series([at_default_precision(r) for _, r in df[["kernel", "dsl", "config_json"]].iterrows()],
+                      index=df.index, dtype=bool)
     return df[keep]
+
+
+@lru_cache(maxsize=None)
+def _precision_defaults(kernel: str, dsl: str) -> dict:
+    """{key: the lane's default} for the keys of the sweep file's [precision.NAME] tables."""
+    try:
+        keys = {k for table in space.precisions(kernel, dsl).values() for k in table}
+        defaults = registry.get(dsl, kernel).module.DEFAULTS
+    except (LabError, FileNotFoundError):
+        return {}
+    return {k: defaults[k] for k in keys if k in defaults}
+
+
+def at_default_precision(r: pd.Series) -> bool:
+    """False for a row whose config sets a precision key (now a run option, see space.precisions) to
+    another value than the lane's default: a row from before that knob left the search space (e.g. the
+    Triton M2RNN forward at DOT = tf32x3 on fp32 inputs, where the default is the inputs' own fp32)."""
+    defaults = _precision_defaults(str(r["kernel"]), str(r["dsl"]))
+    if not defaults:
+        return True
+    cfg = json.loads(r["config_json"] or "{}")
+    return all(cfg.get(k, v) == v for k, v in defaults.items())
 
 
 def _default_shapes(kernel: str) -> list[str]:
@@ -181,7 +205,8 @@ def row_changes(r: pd.Series, module: str, current: dict, pins: dict) -> tuple[s
     return code, version_changes(versions, pins)
 
 
-def slower_verdicts(rows: pd.DataFrame, module: str, current: dict, pins: dict) -> dict[str, str]:
+def slower_verdicts(rows: pd.DataFrame, module: str, current: dict, pins: dict,
+                    cross_precision: frozenset = frozenset()) -> dict[str, str]:
     """{shape: run id} where the newest ``gate --run`` A/B row of the checkout's side (phase gate_checkout,
     its verdict in ``study``) judged today's code SLOWER than the previous best's. A later A/B at the same
     code replaces the verdict; a code change makes the shape stale instead."""
@@ -190,6 +215,10 @@ def slower_verdicts(rows: pd.DataFrame, module: str, current: dict, pins: dict) 
     ab = rows[rows["phase"] == "gate_checkout"]
     out = {}
     for _, r in newest_per_shape(ab).iterrows():
+        # An A/B against a previous best of another precision (``cross_precision``: (run id, shape) of
+        # such gate_previous rows) compared precisions, not code.
+        if (str(r["run_id"]), r["shape"]) in cross_precision:
+            continue
         if str(r["study"]).startswith("gate SLOWER") and r["shape"] and \
                 not any(row_changes(r, module, current, pins)):
             out[r["shape"]] = str(r["run_id"])
@@ -197,7 +226,7 @@ def slower_verdicts(rows: pd.DataFrame, module: str, current: dict, pins: dict) 
 
 
 def _evaluate(entry: Entry, rows: pd.DataFrame, module: str, current: dict, pins: dict,
-              unmeasured: list[str] = ()) -> None:
+              unmeasured: list[str] = (), cross_precision: frozenset = frozenset()) -> None:
     """``unmeasured``: default shapes of a required entry that no row of this lane and device names (not
     even a refusal): the entry is stale at them, as a lane measured at one shape is not fresh at four."""
     if rows.empty:
@@ -215,7 +244,7 @@ def _evaluate(entry: Entry, rows: pd.DataFrame, module: str, current: dict, pins
     entry.stale_shapes.sort()
     missing = sorted(set(unmeasured) - set(entry.stale_shapes))
     if not entry.stale_shapes and not missing:
-        slower = slower_verdicts(rows, module, current, pins)
+        slower = slower_verdicts(rows, module, current, pins, cross_precision)
         entry.status = "slower" if slower else "fresh"
         if slower:
             entry.stale_shapes = sorted(slower)
@@ -269,6 +298,9 @@ def evaluate(df: pd.DataFrame, devices: list[str] | None = None, base: str | Non
         get_profile(d)
     pins = pinned_toolchain()
     ok = ok_rows(df)
+    previous = df[df["phase"] == "gate_previous"] if "phase" in df else df.iloc[0:0]
+    cross_precision = frozenset((str(r["run_id"]), r["shape"]) for _, r in previous.iterrows()
+                                if not at_default_precision(r))
     entries = []
     for k in kernels or []:
         problems.get(k)
@@ -300,6 +332,6 @@ def evaluate(df: pd.DataFrame, devices: list[str] | None = None, base: str | Non
             tried = set(df[(df["kernel"] == lane.kernel) & (df["dsl"] == lane.dsl)
                            & (df["requested_profile"] == device)]["shape"]) if not df.empty else set()
             unmeasured = [s for s in _default_shapes(lane.kernel) if s not in tried] if need else []
-            _evaluate(e, mine, lane.module_name, current, pins, unmeasured)
+            _evaluate(e, mine, lane.module_name, current, pins, unmeasured, cross_precision)
             entries.append(e)
     return entries

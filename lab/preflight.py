@@ -24,6 +24,7 @@ from lab import identity
 from lab.devices import DeviceProfile
 from lab.registry import Lane
 from lab.space import Space, config_key
+from lab.worker import exception_text
 
 
 @dataclass
@@ -78,7 +79,7 @@ def compile_cached(lane: Lane, config: dict, shape: dict, target: str) -> dict:
     except NotImplementedError as exc:
         return {"unsupported": str(exc)}
     except Exception as exc:
-        result = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+        result = {"error": exception_text(exc)[:2000]}
     # Merge with what other processes wrote meanwhile, then replace atomically.
     try:
         cache = json.loads(path.read_text())

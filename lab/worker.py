@@ -37,8 +37,19 @@ def _classify(exc: BaseException, phase: str) -> str:
     return "compile_error" if phase == "compile" else "runtime_error"
 
 
+def exception_text(exc: BaseException) -> str:
+    """``Type: message``; for an exception raised without a message (a TileLang AOT compile on the
+    H100, 2026-11-26, recorded only ``RuntimeError:``), the file, line and function that raised it."""
+    text = f"{type(exc).__name__}: {exc}".strip()
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not str(exc).strip() and frames:
+        f = frames[-1]
+        text += f" (no message; raised at {f.filename}:{f.lineno} in {f.name})"
+    return text
+
+
 def _err_text(exc: BaseException) -> str:
-    lines = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    lines = exception_text(exc).splitlines()
     return " | ".join(lines[:3] + (["..."] if len(lines) > 6 else []) + lines[-3:] if len(lines) > 6 else lines)[:1500]
 
 

@@ -566,3 +566,29 @@ def test_gate_run_times_todays_fastest_row_not_only_this_runs(lab_env):
     assert gate_run.refresh(df, present_h100(), kernels=["gemm"], dsls=["sim"], shapes=["tiny"], trials=0,
                             results_dir=lab_env.results, runner=runner, out=lines.append) == 0, lines
     assert seen == [registry.get("sim", "gemm").full_config(fast)], lines
+
+
+def test_a_previous_best_at_a_retired_precision_knob_is_not_the_bar():
+    """A row from before a precision knob left the search space (the Triton M2RNN forward at DOT =
+    tf32x3 on fp32 inputs; the default is the inputs' own precision) is not a default-precision row:
+    export and the gate's previous best skip it, and a SLOWER verdict against it (run
+    20261126T221319Z-m2rnn_fwd-h100-3591: 1.126x, tf32x3 against fp32 products) judges no code change."""
+    import pandas as pd
+    module = registry.get("triton", "m2rnn_fwd").module_name
+    current = identity.lane_identity(module)
+    rows = []
+    for phase, cfg in (("gate_previous", {"DOT": "tf32x3", "FAST_TANH": False}), ("gate_checkout", {})):
+        row = {c: None for c in results.COLUMNS}
+        row.update(run_id="ab-run", time_utc="2026-11-26T22:13:19Z", git_commit="", git_dirty=False,
+                   kernel="m2rnn_fwd", dsl="triton", shape="fp32_k64_v64", config_json=json.dumps({"K_SPLIT": 2, **cfg}),
+                   phase=phase, requested_profile="h100", emulated=False, compile_only=False, status="ok", time_ms=4.9,
+                   study="gate SLOWER", versions_json=json.dumps({"lab": lab.__version__, **current}))
+        rows.append(row)
+    df = pd.DataFrame(rows)
+    previous, checkout = df.iloc[0], df.iloc[1]
+    assert not gate.at_default_precision(previous) and gate.at_default_precision(checkout)
+    mine = df[df["phase"] == "gate_checkout"]
+    pins = gate.pinned_toolchain()
+    assert gate.slower_verdicts(mine, module, current, pins) == {"fp32_k64_v64": "ab-run"}
+    assert gate.slower_verdicts(mine, module, current, pins, frozenset({("ab-run", "fp32_k64_v64")})) == {}
+    assert len(gate.ok_rows(df.assign(phase="sweep"))) == 1      # the tf32x3 row is not a default-precision row

@@ -182,7 +182,7 @@ def test_config_rules(config, shape, msg):
 ])
 def test_rotated_warpgroup_rule_matches_the_compiler(target, shape, threads, lowers):
     sh = space.get_shape("mamba_bwd_bwd", shape)
-    cfg = {**D, "threads": threads, "scan_block_N": 32}
+    cfg = {**D, "threads": threads, "scan_block_N": 32, "scan_block_P": 64}
     assert lane.config_reason(cfg, sh) is None
     refused = lane.shape_target_reason(cfg, sh, target)
     assert (refused is None) == lowers, refused

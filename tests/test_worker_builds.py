@@ -68,3 +68,19 @@ def test_other_dsls_build_in_the_trials_thread(slow_sim, monkeypatch):
     monkeypatch.setenv("LAB_BACKGROUND_BUILDS", "tilelang")
     assert worker.execute(task)["status"] == "ok"
     assert {c[0] for c in calls} == {threading.current_thread().name}
+
+
+def test_an_exception_without_a_message_names_where_it_was_raised():
+    """A compile that fails with a bare ``RuntimeError()`` (the TileLang M2RNN forward at b2_n8 on the
+    H100, 2026-11-26: the row says only "RuntimeError: ") still tells where to look."""
+    from lab.worker import exception_text
+
+    def compile_step():
+        raise RuntimeError()
+
+    try:
+        compile_step()
+    except RuntimeError as exc:
+        text = exception_text(exc)
+    assert text.startswith("RuntimeError: (no message; raised at ") and "in compile_step)" in text
+    assert exception_text(ValueError("bad tile")) == "ValueError: bad tile"
