@@ -418,8 +418,11 @@ def _chunk_macros(shape: dict):
         for i, j in T.Parallel(F, F):
             prod_s[i, j] = lkq_f[i, j] * acc_ff[i, j]
             w_s[i, j] = acc_ff[i, j] * _seg(seg_s, SEGSUM, b, h, c, j // R, i // R)
+            # same-step block: pv[t, o, i'] = dy_{t,o} . PsiV_{t,i'} = dkq[t*R + i', t*R + o], and its
+            # block-diagonal operand wd[i, j] = gamma_t pv[j, i % R] = gamma_t dkq[i, j], taken from the
+            # register here rather than in a second F x F pass that reads pv_s back
+            wd_s[i, j] = T.if_then_else(i // R == j // R, gam_s[i // R] * acc_ff[i, j], 0.0)
             if i // R == j // R:
-                # same-step block: pv[t, o, i'] = dy_{t,o} . PsiV_{t,i'} = dkq[t*R + i', t*R + o]
                 pv_s[j, i % R] = acc_ff[i, j]
         T.clear(cc_f)
         for s, t in T.Parallel(C, C):
@@ -427,8 +430,6 @@ def _chunk_macros(shape: dict):
                 for ro in T.serial(R):
                     cc_f[s, t] = cc_f[s, t] + T.cast(prod_s[s * R + ri, t * R + ro], F32)
         T.copy(cc_f, DSSDA[b, h, c, :, :])
-        for i, j in T.Parallel(F, F):
-            wd_s[i, j] = T.if_then_else(i // R == j // R, gam_s[i // R] * pv_s[j, i % R], 0.0)
         if shape["hasD"]:
             # DD partial: sum over the chunk of PsiV . dy, the diagonal of dkq (pv[f, f % R])
             for f in T.Parallel(F):
