@@ -345,6 +345,12 @@ def _scan_program(config: dict, shape: dict, local: bool = False):
     return scan
 
 
+# T.gemm annotation: no wgmma wait after this product (sm_90), so that the next T.gemm (which waits for
+# all) runs it and the next one as one batch: the two N/2 halves of a product, or independent products
+# with nothing between them. Products lowered to mma.sync (sm_120 / sm_121, 128 threads) ignore it.
+_NO_WAIT = {"wg_wait": -1}
+
+
 def _fragment_written(dtype: str, *bufs):
     """The 16-bit ones among shared tiles written from GEMM accumulator fragments: swizzled with the GEMM
     operands, since row-major rows of 128+ bytes put the 8 rows a warp stores at once in one bank (ncu,
@@ -625,12 +631,12 @@ def _chunk_program(config: dict, shape: dict):
             T.copy(DSTATES[b, h, c, half:N, :], ds_hi)
 
             # ---- dPsiV = exp(DA_CS_REV) factor k_rot dS + (masked k_hat q_hat^T) dy + D dy + diagonal
-            T.gemm(kr_lo, ds_lo, acc_fp, clear_accum=True)
-            T.gemm(kr_hi, ds_hi, acc_fp)
+            T.gemm(kr_lo, ds_lo, acc_fp, clear_accum=True, annotations=_NO_WAIT)
+            T.gemm(kr_hi, ds_hi, acc_fp, annotations=_NO_WAIT)
+            T.gemm(kr_lo, qh_lo, acc_ff, transpose_B=True, clear_accum=True, annotations=_NO_WAIT)
+            T.gemm(kr_hi, qh_hi, acc_ff, transpose_B=True)
             for f, p in T.Parallel(F, P):
                 acc_fp[f, p] = acc_fp[f, p] * erf_s[f // R]
-            T.gemm(kr_lo, qh_lo, acc_ff, transpose_B=True, clear_accum=True)
-            T.gemm(kr_hi, qh_hi, acc_ff, transpose_B=True)
             for i, j in T.Parallel(F, F):
                 acc_ff[i, j] = acc_ff[i, j] * fac_s[i // R]                 # lkq[s, t] = k_hat_s . q_hat_t
             for i, j in T.Parallel(F, F):
@@ -644,9 +650,9 @@ def _chunk_program(config: dict, shape: dict):
             m["dv_dmv"](b, h, c, t0, V, MIMO_V, DV, DMV_PART, dpsiv_s, dv_f, dmv_f)
 
             # ---- dkq = PsiV dy^T (row s, column t): DSSDA, masked copies, same-step terms
-            T.gemm(psiv_s, dy_s, acc_ff, transpose_B=True, clear_accum=True)
+            T.gemm(psiv_s, dy_s, acc_ff, transpose_B=True, clear_accum=True, annotations=_NO_WAIT)
             # lkq again (recomputed: keeping it across the dPsiV steps costs an F x F tile of shared memory)
-            T.gemm(kr_lo, qh_lo, lkq_f, transpose_B=True, clear_accum=True)
+            T.gemm(kr_lo, qh_lo, lkq_f, transpose_B=True, clear_accum=True, annotations=_NO_WAIT)
             T.gemm(kr_hi, qh_hi, lkq_f, transpose_B=True)
             for i, j in T.Parallel(F, F):
                 lkq_f[i, j] = lkq_f[i, j] * fac_s[i // R]
@@ -654,14 +660,14 @@ def _chunk_program(config: dict, shape: dict):
                            seg_s, SEGSUM, gam_s, qkd_s, cc_f, row_f, one_d, c_f)
 
             # ---- dk_hat = exp(DA_CS_REV) PsiV dS^T + masked dkq q_hat; DDA_CS_REV, DFACTOR, DK
-            T.gemm(psiv_s, ds_lo, lo_f, transpose_B=True, clear_accum=True)
+            T.gemm(psiv_s, ds_lo, lo_f, transpose_B=True, clear_accum=True, annotations=_NO_WAIT)
             T.gemm(psiv_s, ds_hi, hi_f, transpose_B=True, clear_accum=True)
             # wq_s after the last read of ds_lo / ds_hi, so that it can take their bytes (8 KiB at F = 64).
             for i, j in T.Parallel(F, F):
                 wq_s[i, j] = acc_ff[i, j] * _seg(seg_s, SEGSUM, b, h, c, j // R, i // R) * fac_s[i // R]
             pair_row_sum(lo_f, hi_f, kr_lo, kr_hi, fac_s, tmp_f, row_f, rows_s, c_f, DDA_CS_REV[b, h, t0:t0 + C])
             scale_rows(lo_f, hi_f, er_s)
-            T.gemm(w_s, qh_lo, lo_f)
+            T.gemm(w_s, qh_lo, lo_f, annotations=_NO_WAIT)
             T.gemm(w_s, qh_hi, hi_f)
             pair_row_sum(lo_f, hi_f, kr_lo, kr_hi, None, tmp_f, row_f, rows_s, c_f, DFACTOR[b, h, t0:t0 + C])
             for f, j in T.Parallel(F, half):
@@ -669,25 +675,25 @@ def _chunk_program(config: dict, shape: dict):
                     ang_s[f, j] = fac_s[f // R] * (hi_f[f, j] * T.cast(kr_lo[f, j], F32)
                                                    - lo_f[f, j] * T.cast(kr_hi[f, j], F32))
             scale_rows(lo_f, hi_f, fac_s)
-            T.gemm(wd_s, qh_lo, lo_f)                                            # same-step terms
+            T.gemm(wd_s, qh_lo, lo_f, annotations=_NO_WAIT)                      # same-step terms
             T.gemm(wd_s, qh_hi, hi_f)
             rotate_back_out(lo_f, hi_f, cos_s, sin_s, ANGLES, DK, out_s, b, t0, c * F, h)
 
             # ---- dq_hat = exp(DA_CS) dy S_c^T + masked dkq^T k_hat; DDA_CS, DQ, DANGLES
             T.copy(STATES[b, h, c, 0:half, :], st_lo)
             T.copy(STATES[b, h, c, half:N, :], st_hi)
-            T.gemm(dy_s, st_lo, lo_f, transpose_B=True, clear_accum=True)
+            T.gemm(dy_s, st_lo, lo_f, transpose_B=True, clear_accum=True, annotations=_NO_WAIT)
             T.gemm(dy_s, st_hi, hi_f, transpose_B=True, clear_accum=True)
             pair_row_sum(lo_f, hi_f, qh_lo, qh_hi, None, tmp_f, row_f, rows_s, c_f, DDA_CS[b, h, t0:t0 + C])
             scale_rows(lo_f, hi_f, ea_s)
-            T.gemm(wq_s, kr_lo, lo_f, transpose_A=True)
+            T.gemm(wq_s, kr_lo, lo_f, transpose_A=True, annotations=_NO_WAIT)
             T.gemm(wq_s, kr_hi, hi_f, transpose_A=True)
             for f, j in T.Parallel(F, half):
                 if j < nr:
                     ang_s[f, j] = ang_s[f, j] + hi_f[f, j] * T.cast(qh_lo[f, j], F32) - \
                         lo_f[f, j] * T.cast(qh_hi[f, j], F32)
             m["angles_out"](b, t0, h, DANGLES, ang_s, ang_f)
-            T.gemm(wd_s, kr_lo, lo_f, transpose_A=True)                          # same-step terms
+            T.gemm(wd_s, kr_lo, lo_f, transpose_A=True, annotations=_NO_WAIT)    # same-step terms
             T.gemm(wd_s, kr_hi, hi_f, transpose_A=True)
             rotate_back_out(lo_f, hi_f, cos_s, sin_s, ANGLES, DQ, out_s, b, t0, c * F, h)
 
