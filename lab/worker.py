@@ -180,19 +180,21 @@ def run_trial(task: dict) -> dict:
 
 def run_abab(task: dict) -> dict:
     """Re-time several (dsl, config) lanes interleaved sample by sample (A B A B ...), so that the
-    comparison is made under the same clocks; returns each lane's samples."""
+    comparison is made under the same clocks; returns each lane's samples. Every lane reads the same
+    inputs and writes the same output tensors (the calls run one after another), so that no lane is
+    timed on buffers at other addresses than the others'."""
     from lab import problems, registry, timing
     device = task.get("device", "cuda")
     os.environ.update(task.get("env", {}))
     problem = problems.get(task["kernel"])
     shape = task["shape"]
     inputs = problem.make_inputs(shape, device, task["seed"])
+    outputs = problem.alloc_outputs(shape, device)
     fns = []
     for dsl, config, env in task["lanes"]:
         os.environ.update(env)  # the lane's per-target compile cache
         run = registry.get(dsl, task["kernel"]).module.build(config, shape)
-        outputs = problem.alloc_outputs(shape, device)
-        fns.append(lambda run=run, o=outputs: run(inputs, o))
+        fns.append(lambda run=run: run(inputs, outputs))
     timings = timing.bench_interleaved(fns, device=device, l2_bytes=task.get("l2_bytes", 0), **task.get("timing", {}))
     return {"status": "ok", "samples": [t.samples_ms for t in timings], "stop": timings[0].stop}
 

@@ -84,3 +84,27 @@ def test_an_exception_without_a_message_names_where_it_was_raised():
         text = exception_text(exc)
     assert text.startswith("RuntimeError: (no message; raised at ") and "in compile_step)" in text
     assert exception_text(ValueError("bad tile")) == "ValueError: bad tile"
+
+
+def test_abab_lanes_share_inputs_and_outputs(lab_env, monkeypatch):
+    """The A/B re-timing hands every lane the same input and output tensors: two lanes are never timed
+    on buffers at different addresses (identical calls then differ only by their code)."""
+    mod = registry.get("sim", "gemm").module
+    real, seen = mod.build, []
+
+    def build(config, shape):
+        run = real(config, shape)
+
+        def recorded(inputs, outputs):
+            seen.append((id(inputs), id(outputs)))
+            return run(inputs, outputs)
+        return recorded
+
+    monkeypatch.setattr(mod, "build", build)
+    config = registry.get("sim", "gemm").full_config({})
+    task = {"kind": "abab", "kernel": "gemm", "shape": space.get_shape("gemm", "tiny"), "seed": 1, "device": "cpu",
+            "lanes": [("sim", config, {}), ("sim", config, {})],
+            "timing": {"warmup_ms": 0.0, "min_samples": 2, "max_samples": 4, "budget_ms": 50.0, "min_time_ms": 0.0}}
+    result = worker.execute(task)
+    assert result["status"] == "ok" and [len(s) for s in result["samples"]] == [len(result["samples"][0])] * 2
+    assert len(seen) >= 4 and len(set(seen)) == 1
