@@ -2,7 +2,7 @@
 
 ``export`` writes one file per device profile with, per (kernel, DSL, shape), the best parity-checked
 config: among the rows measured with the checkout's lane code and toolchain where there are any (else
-all rows), the fastest A/B-confirmed one where there are confirm rows, else the fastest sweep trial
+the rows whose configs name only knobs the lane still has), the fastest A/B-confirmed one where there are confirm rows, else the fastest sweep trial
 (``timing`` says which), its median (ms), the run it came from and the lane identity and toolchain it
 was measured with, plus ``fresh``: whether that identity is still the checkout's (``lab.gate``).
 Rows of a GB10 profile emulated on another GPU keep ``emulated: true`` and the GPU that ran them.
@@ -35,6 +35,17 @@ def _pick(rows: pd.DataFrame) -> tuple[pd.Series, str]:
     return pool.sort_values(["time_ms", "time_utc"]).iloc[0], timing
 
 
+def _runnable(rows: pd.DataFrame, lane) -> pd.DataFrame:
+    """The rows whose config names only knobs the checkout's lane still has: a stale row of a removed
+    knob is a config today's code cannot run. All rows when none qualifies or the lane does not import here."""
+    try:
+        knobs = set(lane.module.TUNABLES)
+    except LabError:
+        return rows
+    keep = rows[[set(json.loads(c or "{}")) <= knobs for c in rows["config_json"]]]
+    return keep if not keep.empty else rows
+
+
 def _num(x) -> float | None:
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
 
@@ -55,12 +66,14 @@ def entries(df: pd.DataFrame, device: str) -> list[dict]:
         return fresh_of[key]
 
     for (kernel, dsl, shape), rows in ok.groupby(["kernel", "dsl", "shape"], sort=True):
-        module = registry.get(dsl, kernel).module_name
+        lane = registry.get(dsl, kernel)
+        module = lane.module_name
         if module not in current:
             current[module] = identity.lane_identity(module)
-        # Rows of the checkout's code and toolchain first: an older confirm does not outrank them.
+        # Rows of the checkout's code and toolchain first: an older confirm does not outrank them; else
+        # rows of configs today's lane can run.
         fresh = rows[[is_fresh(module, row) for _, row in rows.iterrows()]]
-        r, timing = _pick(fresh if not fresh.empty else rows)
+        r, timing = _pick(fresh if not fresh.empty else _runnable(rows, lane))
         versions = json.loads(r["versions_json"] or "{}")
         measured = gate.measured_identity(module, versions, str(r["git_commit"]), bool(r["git_dirty"]))
         dims = json.loads(r["shape_json"] or "{}")

@@ -341,9 +341,16 @@ def test_export_and_best_round_trip(repo, capsys):
     with pytest.raises(LabError, match="no tuned gemm/cute"):
         tuned.best("gemm", "cute", "h100", "sq4096_bf16", path=out)
     # A code change after the export marks the exported entry as not fresh on the next export.
+    removed_knob = _row("toy", commit=repo.head, ms=0.9, config={"BLOCK": 64, "REMOVED": 1}, phase="confirm")
     (repo.path / "gatepkg" / "toy" / "_helper.py").write_text(textwrap.dedent(HELPER).replace("1024", "512"))
     tuned.export(results.load(repo.results), out, ["h100"])
     assert not tuned.best("gemm", "toy", "h100", "sq4096_bf16", path=out).fresh
+    # With no fresh row, a faster row of a knob the lane no longer has (a config today's code cannot
+    # run) does not outrank the runnable ones.
+    _write(repo, [removed_knob])   # measured with the code before the change
+    tuned.export(results.load(repo.results), out, ["h100"])
+    t = tuned.best("gemm", "toy", "h100", "sq4096_bf16", path=out)
+    assert t.config == {"BLOCK": 32} and not t.fresh
     # A sweep at the changed code outranks the confirm of the old code, though slower than that confirm.
     _write(repo, [_row("toy", commit=repo.commit(), ms=1.8, config={"BLOCK": 256})])
     tuned.export(results.load(repo.results), out, ["h100"])
