@@ -347,7 +347,7 @@ def _scan_program(config: dict, shape: dict, local: bool = False):
 
 # T.gemm annotation: no wgmma wait after this product (sm_90), so that the next T.gemm (which waits for
 # all) runs it and the next one as one batch: the two N/2 halves of a product, or independent products
-# with nothing between them. Products lowered to mma.sync (sm_120 / sm_121, 128 threads) ignore it.
+# with nothing between them. Products lowered to mma.sync (sm_120 / sm_121) ignore it.
 _NO_WAIT = {"wg_wait": -1}
 
 
