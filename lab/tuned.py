@@ -3,8 +3,9 @@
 ``export`` writes one file per device profile with, per (kernel, DSL, shape), the best parity-checked
 config: among the rows measured with the checkout's lane code and toolchain where there are any (else
 the rows whose configs name only knobs the lane still has), the fastest A/B-confirmed one where there
-are confirm rows, else the fastest sweep trial (``timing`` says which), its median (ms), the run it came from and the lane identity and toolchain it
-was measured with, plus ``fresh``: whether that identity is still the checkout's (``lab.gate``).
+are confirm rows, else the fastest sweep trial (``timing`` says which), its median (ms), the run it
+came from and the lane identity and toolchain it was measured with, plus ``fresh``: whether that
+identity is still the checkout's (``lab.gate``).
 Rows of a GB10 profile emulated on another GPU keep ``emulated: true`` and the GPU that ran them.
 
     from lab import tuned
