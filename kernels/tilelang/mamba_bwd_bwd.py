@@ -186,6 +186,16 @@ def _dy_value(DOUT, Z, MIMO_O, MIMO_Z, b, t, r, h, p, shape):
     return d
 
 
+def _step_sum(terms: list):
+    """The sum of ``terms`` as one unrolled expression, added pairwise. A small sum written this way into a
+    T.Parallel(C) loop runs on C threads; accumulated in a [C] fragment, TileLang 0.1.15 replicates it on
+    every thread of the CTA (the DGAMMA_DIAG sum's shared loads: 11% of the chunk kernel's shared
+    wavefronts, ncu, H100, training shape)."""
+    while len(terms) > 1:
+        terms = [terms[i] + terms[i + 1] if i + 1 < len(terms) else terms[i] for i in range(0, len(terms), 2)]
+    return terms[0]
+
+
 def _seg(seg_s, SEGSUM, b, h, c, t, s):
     """exp(SEGSUM[t, s]) masked to s < t: from the staged table, or (seg_s None) from global memory."""
     if seg_s is not None:
@@ -402,22 +412,19 @@ def _chunk_macros(shape: dict):
             dy_s[f, p] = _dy_value(DOUT, Z, MIMO_O, MIMO_Z, b, t0 + f // R, f % R, h, p, shape)
 
     @T.macro
-    def dv_dmv(b, h, c, t0, V, MIMO_V, DV, DMV_PART, dpsiv_s, dv_f, dmv_f):
-        """DV = sum_r dPsiV * Psi_r and this chunk's DMIMO_V partial sum_t dPsiV * V_t."""
-        T.clear(dv_f)
+    def dv_dmv(b, h, c, t0, V, MIMO_V, DV, DMV_PART, dpsiv_s):
+        """DV = sum_r dPsiV * Psi_r and this chunk's DMIMO_V partial sum_t dPsiV * V_t, each summed in one
+        expression per output element (no fragment: the loops vectorize along P)."""
         for t, p in T.Parallel(C, P):
-            for r in T.serial(R):
-                dv_f[t, p] = dv_f[t, p] + dpsiv_s[t * R + r, p] * MIMO_V[h, r, p]
-        T.copy(dv_f, DV[b, t0:t0 + C, h, :])
-        T.clear(dmv_f)
+            DV[b, t0 + t, h, p] = T.cast(_step_sum([T.cast(dpsiv_s[t * R + r, p], F32) * MIMO_V[h, r, p]
+                                                    for r in range(R)]), V.dtype)
         for r, p in T.Parallel(R, P):
-            for t in T.serial(C):
-                dmv_f[r, p] = dmv_f[r, p] + dpsiv_s[t * R + r, p] * T.cast(V[b, t0 + t, h, p], F32)
-        T.copy(dmv_f, DMV_PART[b, h, c, :, :])
+            DMV_PART[b, h, c, r, p] = _step_sum([T.cast(dpsiv_s[t * R + r, p], F32) * T.cast(V[b, t0 + t, h, p], F32)
+                                                 for t in range(C)])
 
     @T.macro
     def dkq_terms(b, h, c, t0, DSSDA, DD_PART, DGAMMA_DIAG, acc_ff, lkq_f, prod_s, w_s, pv_s, wd_s, seg_s,
-                  SEGSUM, gam_s, qkd_s, cc_f, row_f, one_d, c_f):
+                  SEGSUM, gam_s, qkd_s, cc_f):
         """From dkq = PsiV dy^T in acc_ff (row s, column t) and k_hat.q_hat (recomputed in lkq_f):
         DSSDA, the masked dkq (w_s), the same-step products pv and their block-diagonal operand wd_s,
         the DD partial and DGAMMA_DIAG."""
@@ -438,27 +445,19 @@ def _chunk_macros(shape: dict):
         T.copy(cc_f, DSSDA[b, h, c, :, :])
         if shape["hasD"]:
             # DD partial: sum over the chunk of PsiV . dy, the diagonal of dkq (pv[f, f % R])
-            for f in T.Parallel(F):
-                row_f[f] = pv_s[f, f % R]
-            T.reduce_sum(row_f, one_d, dim=0)
-            T.copy(one_d, DD_PART[b, h, c:c + 1])
-        T.clear(c_f)
+            for i in T.Parallel(1):
+                DD_PART[b, h, c + i] = _step_sum([pv_s[f, f % R] for f in range(F)])
         for t in T.Parallel(C):
-            for o in T.serial(R):
-                for i in T.serial(R):
-                    c_f[t] = c_f[t] + qkd_s[t * R + o, i] * pv_s[t * R + o, i]
-        T.copy(c_f, DGAMMA_DIAG[b, h, t0:t0 + C])
+            DGAMMA_DIAG[b, h, t0 + t] = _step_sum([qkd_s[t * R + o, i] * pv_s[t * R + o, i]
+                                                   for o in range(R) for i in range(R)])
 
     @T.macro
-    def per_step_row_sum(prod_fn, row_f, rows_s, c_f, out):
-        """out[t] = sum over the R fused rows of step t and the columns of prod_fn ([F, X] fragment)."""
+    def per_step_row_sum(prod_fn, row_f, rows_s, OUT, b, h, t0):
+        """OUT[b, h, t0 + t] = sum over the R fused rows of step t and the columns of prod_fn ([F, X] fragment)."""
         T.reduce_sum(prod_fn, row_f, dim=1)
         T.copy(row_f, rows_s)
-        T.clear(c_f)
         for t in T.Parallel(C):
-            for r in T.serial(R):
-                c_f[t] = c_f[t] + rows_s[t * R + r]
-        T.copy(c_f, out)
+            OUT[b, h, t0 + t] = _step_sum([rows_s[t * R + r] for r in range(R)])
 
     @T.macro
     def angles_out(b, t0, h, DANGLES, ang_s, ang_f):
@@ -524,8 +523,8 @@ def _chunk_program(config: dict, shape: dict):
             hi_s[f, j] = T.if_then_else(j < nr, x0 * sn + x1 * cs, x1)
 
     @T.macro
-    def pair_row_sum(lo_f, hi_f, lo_s, hi_s, scale_s, tmp_f, row_f, rows_s, c_f, out):
-        """out[t] = sum over the step's rows and all N columns of (lo, hi) * (lo_s, hi_s), times
+    def pair_row_sum(lo_f, hi_f, lo_s, hi_s, scale_s, tmp_f, row_f, rows_s, OUT, b, t0, h):
+        """OUT[b, h, t0 + t] = sum over the step's rows and all N columns of (lo, hi) * (lo_s, hi_s), times
         scale_s[t] when a scale is given."""
         for f, j in T.Parallel(F, half):
             if scale_s is None:
@@ -533,7 +532,7 @@ def _chunk_program(config: dict, shape: dict):
             else:
                 tmp_f[f, j] = (lo_f[f, j] * T.cast(lo_s[f, j], F32) + hi_f[f, j] * T.cast(hi_s[f, j], F32)) * \
                     scale_s[f // R]
-        m["per_step_row_sum"](tmp_f, row_f, rows_s, c_f, out)
+        m["per_step_row_sum"](tmp_f, row_f, rows_s, OUT, b, h, t0)
 
     @T.macro
     def scale_rows(lo_f, hi_f, scale_s):
@@ -613,11 +612,7 @@ def _chunk_program(config: dict, shape: dict):
             hi_f = T.alloc_fragment((F, half), F32)
             tmp_f = T.alloc_fragment((F, half), F32)
             row_f = T.alloc_fragment((F,), F32)
-            c_f = T.alloc_fragment((C,), F32)
-            one_d = T.alloc_fragment((1,), F32)
             cc_f = T.alloc_fragment((C, C), F32)
-            dv_f = T.alloc_fragment((C, P), F32)
-            dmv_f = T.alloc_fragment((R, P), F32)
             ang_f = T.alloc_fragment((C, nr), F32)
 
             m["step_tables"](b, h, c, t0, DA_CS, DA_CS_REV, DT, TRAP, SEGSUM, ANGLES, QK_DOT, ea_s, er_s, gam_s,
@@ -647,7 +642,7 @@ def _chunk_program(config: dict, shape: dict):
                 for f, p in T.Parallel(F, P):
                     acc_fp[f, p] = acc_fp[f, p] + D[h] * T.cast(dy_s[f, p], F32)
             T.copy(acc_fp, dpsiv_s)
-            m["dv_dmv"](b, h, c, t0, V, MIMO_V, DV, DMV_PART, dpsiv_s, dv_f, dmv_f)
+            m["dv_dmv"](b, h, c, t0, V, MIMO_V, DV, DMV_PART, dpsiv_s)
 
             # ---- dkq = PsiV dy^T (row s, column t): DSSDA, masked copies, same-step terms
             T.gemm(psiv_s, dy_s, acc_ff, transpose_B=True, clear_accum=True, annotations=_NO_WAIT)
@@ -657,7 +652,7 @@ def _chunk_program(config: dict, shape: dict):
             for i, j in T.Parallel(F, F):
                 lkq_f[i, j] = lkq_f[i, j] * fac_s[i // R]
             m["dkq_terms"](b, h, c, t0, DSSDA, DD_PART, DGAMMA_DIAG, acc_ff, lkq_f, prod_s, w_s, pv_s, wd_s,
-                           seg_s, SEGSUM, gam_s, qkd_s, cc_f, row_f, one_d, c_f)
+                           seg_s, SEGSUM, gam_s, qkd_s, cc_f)
 
             # ---- dk_hat = exp(DA_CS_REV) PsiV dS^T + masked dkq q_hat; DDA_CS_REV, DFACTOR, DK
             T.gemm(psiv_s, ds_lo, lo_f, transpose_B=True, clear_accum=True, annotations=_NO_WAIT)
@@ -665,11 +660,11 @@ def _chunk_program(config: dict, shape: dict):
             # wq_s after the last read of ds_lo / ds_hi, so that it can take their bytes (8 KiB at F = 64).
             for i, j in T.Parallel(F, F):
                 wq_s[i, j] = acc_ff[i, j] * _seg(seg_s, SEGSUM, b, h, c, j // R, i // R) * fac_s[i // R]
-            pair_row_sum(lo_f, hi_f, kr_lo, kr_hi, fac_s, tmp_f, row_f, rows_s, c_f, DDA_CS_REV[b, h, t0:t0 + C])
+            pair_row_sum(lo_f, hi_f, kr_lo, kr_hi, fac_s, tmp_f, row_f, rows_s, DDA_CS_REV, b, t0, h)
             scale_rows(lo_f, hi_f, er_s)
             T.gemm(w_s, qh_lo, lo_f, annotations=_NO_WAIT)
             T.gemm(w_s, qh_hi, hi_f)
-            pair_row_sum(lo_f, hi_f, kr_lo, kr_hi, None, tmp_f, row_f, rows_s, c_f, DFACTOR[b, h, t0:t0 + C])
+            pair_row_sum(lo_f, hi_f, kr_lo, kr_hi, None, tmp_f, row_f, rows_s, DFACTOR, b, t0, h)
             for f, j in T.Parallel(F, half):
                 if j < nr:
                     ang_s[f, j] = fac_s[f // R] * (hi_f[f, j] * T.cast(kr_lo[f, j], F32)
@@ -684,7 +679,7 @@ def _chunk_program(config: dict, shape: dict):
             T.copy(STATES[b, h, c, half:N, :], st_hi)
             T.gemm(dy_s, st_lo, lo_f, transpose_B=True, clear_accum=True, annotations=_NO_WAIT)
             T.gemm(dy_s, st_hi, hi_f, transpose_B=True, clear_accum=True)
-            pair_row_sum(lo_f, hi_f, qh_lo, qh_hi, None, tmp_f, row_f, rows_s, c_f, DDA_CS[b, h, t0:t0 + C])
+            pair_row_sum(lo_f, hi_f, qh_lo, qh_hi, None, tmp_f, row_f, rows_s, DDA_CS, b, t0, h)
             scale_rows(lo_f, hi_f, ea_s)
             T.gemm(wq_s, kr_lo, lo_f, transpose_A=True, annotations=_NO_WAIT)
             T.gemm(wq_s, kr_hi, hi_f, transpose_A=True)
