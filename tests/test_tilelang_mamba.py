@@ -73,6 +73,8 @@ def test_every_named_shape_fits_gb10_and_estimate_equals_compiler(name):
 
 _GLOBAL_TABLES = ("grid_n128_p64_r1_c64", {**SMALL_TILES[0], "global_tables": True})
 _SEGMENTS = ("gb10", {"scan_threads": 128, "scan_block_P": 16, "scan_segments": 8})
+# paired_tiles: one interleaved tile per rotary-pair operand (the training best's scan, DQ / DK staged).
+_PAIRED = ("training", {"scan_threads": 256, "scan_block_P": 128, "stage_out": True, "paired_tiles": True})
 
 
 # Each variant compiles for one target in the default run (both targets are covered); the other is slow.
@@ -81,6 +83,7 @@ _SEGMENTS = ("gb10", {"scan_threads": 128, "scan_block_P": 16, "scan_segments": 
     ("sm_121a", *_GLOBAL_TABLES), pytest.param("sm_90a", *_GLOBAL_TABLES, marks=pytest.mark.slow),
     # scan_segments: a local scan pass over segments 1..K-1, then the scan from composed carries.
     ("sm_121a", *_SEGMENTS), ("sm_90a", *_SEGMENTS),
+    ("sm_90a", *_PAIRED), ("sm_121a", "gb10", {"paired_tiles": True}),
 ])
 def test_new_variants_compile_to_cubins(target, shape_name, config):
     shape = space.get_shape("mamba_bwd_bwd", shape_name)
@@ -103,6 +106,7 @@ _STAGE_OUT = {"stage_out": True}   # DQ / DK staged: 14 KiB more here
 @pytest.mark.parametrize("target,config", [
     *((t, c) for t in ("sm_90a", "sm_121a") for c in ({"threads": 128}, {"global_tables": True})),
     ("sm_90a", _STAGE_OUT), pytest.param("sm_121a", _STAGE_OUT, marks=pytest.mark.slow),
+    ("sm_90a", {"paired_tiles": True}), ("sm_121a", {"paired_tiles": True, "stage_out": True}),
 ])
 def test_chunk_estimate_equals_lowering_at_h100_tuned(target, config):
     shape = space.get_shape("mamba_bwd_bwd", "h100_tuned")
@@ -164,6 +168,9 @@ def test_options_ranks_and_parity_shapes_lower(case, at_parity_shape):
     ({"stage_out": 1}, GB10, "stage_out=1"),
     ({"threads": 512}, GB10, "threads=512"),
     ({"scan_segments": 3}, GB10, "scan_segments=3"),
+    ({"paired_tiles": True, "threads": 128}, {**GB10, "C": 8}, "paired_tiles at C*R=32"),
+    ({"paired_tiles": True, "threads": 512, "scan_block_N": 32, "scan_block_P": 64}, {**GB10, "N": 96},
+     "multiple of 64"),
 ])
 def test_config_rules(config, shape, msg):
     """Each refusal comes from the lane (what depends on the shape or on combinations) or, for a value
@@ -172,17 +179,19 @@ def test_config_rules(config, shape, msg):
     assert msg in (lane.config_reason(cfg, shape) or "") or msg in (harness_reason("mamba_bwd_bwd", "tilelang", cfg, shape) or "")
 
 
-@pytest.mark.parametrize("target,shape,threads,lowers", [
+@pytest.mark.parametrize("target,shape,threads,paired,lowers", [
     # The compiler's verdicts behind shape_target_reason (TileLang 0.1.15), checked both ways.
-    ("sm_90a", "anchor_b2", 512, False),
-    ("sm_90a", "anchor_b2", 256, True),
-    ("sm_90a", "grid_n32_p64_r4_c16", 256, False),
-    ("sm_90a", "grid_n32_p64_r4_c16", 128, True),
-    ("sm_121a", "anchor_b2", 512, True),
+    ("sm_90a", "anchor_b2", 512, False, False),
+    ("sm_90a", "anchor_b2", 256, False, True),
+    ("sm_90a", "grid_n32_p64_r4_c16", 256, False, False),
+    ("sm_90a", "grid_n32_p64_r4_c16", 128, False, True),
+    ("sm_121a", "anchor_b2", 512, False, True),
+    # one N = 32 tile gives each of two warpgroups 16 whole columns, where two half tiles gave 8
+    ("sm_90a", "grid_n32_p64_r4_c16", 256, True, True),
 ])
-def test_rotated_warpgroup_rule_matches_the_compiler(target, shape, threads, lowers):
+def test_rotated_warpgroup_rule_matches_the_compiler(target, shape, threads, paired, lowers):
     sh = space.get_shape("mamba_bwd_bwd", shape)
-    cfg = {**D, "threads": threads, "scan_block_N": 32, "scan_block_P": 64}
+    cfg = {**D, "threads": threads, "scan_block_N": 32, "scan_block_P": 64, "paired_tiles": paired}
     assert lane.config_reason(cfg, sh) is None
     refused = lane.shape_target_reason(cfg, sh, target)
     assert (refused is None) == lowers, refused

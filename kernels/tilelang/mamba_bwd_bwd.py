@@ -43,6 +43,8 @@ Tunables (values and rules: sweeps/mamba_bwd_bwd/tilelang.toml):
                       instead of staged in shared fp32 tables (C*C*4 + 2*C*N/rd*4 bytes less: 32 KiB at
                       C = 64, N = 128)
   stage_out           DQ / DK staged in a shared F x N tile and stored in whole rows
+  paired_tiles        the chunk kernel's rotary-pair operands as one interleaved tile each, one GEMM per
+                      product instead of one per half (see ``_chunk_program``)
   fast_math           True sets tl.enable_fast_math (fast exp/sin/cos); false only as the sweep file's
                       [precision.exact] run option
 Fixed (pass configs): no TMA lowering, no warp specialization, the aggressive shared-memory merge in
@@ -63,9 +65,10 @@ from kernels.tilelang import _smem_plan as smem_plan
 DSL = "tilelang"
 KERNEL = "mamba_bwd_bwd"
 TUNABLES = ("scan_segments", "threads", "scan_threads", "scan_block_N", "scan_block_P", "scan_stages", "global_tables",
-            "stage_out", "fast_math")
+            "stage_out", "paired_tiles", "fast_math")
 DEFAULTS = {"scan_segments": 1, "threads": 256, "scan_threads": 128, "scan_block_N": 64, "scan_block_P": 16,
-            "scan_stages": 2, "global_tables": False, "stage_out": False, "fast_math": True}
+            "scan_stages": 2, "global_tables": False, "stage_out": False, "paired_tiles": False,
+            "fast_math": True}
 TARGETS = tl.TARGETS
 DTYPES = ("float16", "bfloat16")
 F32 = "float32"
@@ -93,6 +96,11 @@ def config_reason(config: dict, shape: dict) -> str | None:
         return f"C*R={F}, N={shape['N']}, P={shape['P']} too small for {warps} warps (16x16 of each product per warp)"
     if c["scan_block_N"] * c["scan_block_P"] < (c["scan_threads"] // 32) * 256:
         return f"scan tile {c['scan_block_N']}x{c['scan_block_P']} too small for {c['scan_threads'] // 32} warps"
+    if c["paired_tiles"] and (F % 64 or shape["N"] % (2 * _PAIR_BLOCK * (warps // 4))):
+        # the pair layout assumes the chunk kernel's products split by warpgroup rows (4 warps over 64 rows),
+        # then over N in groups of whole 16-column blocks
+        return (f"paired_tiles at C*R={F}, N={shape['N']}, {warps} warps: needs C*R a multiple of 64 and N a "
+                f"multiple of {2 * _PAIR_BLOCK * (warps // 4)} (whole 16-column blocks per warpgroup)")
     if (c["scan_block_N"], c["scan_block_P"], c["scan_threads"]) == (32, 128, 512):
         return ("scan tile 32x128 at 512 threads: TileLang 0.1.15 cannot reduce its DDA row sums (ReduceOp: "
                 "source index depends on a thread-owned reduce segment)")
@@ -117,7 +125,7 @@ def shape_target_reason(config: dict, shape: dict, target: str) -> str | None:
     """Rules that depend on both the shape and the target."""
     c = {**DEFAULTS, **config}
     half, warpgroups = shape["N"] // 2, c["threads"] // 128
-    if tl.cc(target) == 90 and half < 16 * warpgroups:
+    if tl.cc(target) == 90 and half < 16 * warpgroups and not c["paired_tiles"]:
         return (f"N={shape['N']} at {c['threads']} threads on sm_90: each of the {warpgroups} warpgroups "
                 f"would hold under 16 of the N/2 = {half} columns of the chunk kernel's half tiles "
                 "(TileLang 0.1.15: layout conflict on qh_lo); use fewer threads")
@@ -134,7 +142,7 @@ def _pass_configs(config: dict, kernel: str) -> dict:
 # The scan's T.Pipelined copies, in the order its prologue first touches them (TileLang 0.1.15).
 _SCAN_PIPELINED = ("st_raw", "ang_raw", "q_raw", "do_raw", "z_raw", "da_raw")
 # Config keys that change the shared buffers (or their alignment) of each kernel.
-_SMEM_KEYS = {"chunk": ("threads", "global_tables", "stage_out"),
+_SMEM_KEYS = {"chunk": ("threads", "global_tables", "stage_out", "paired_tiles"),
               "scan": ("scan_block_N", "scan_block_P", "scan_stages", "scan_threads")}
 
 
@@ -472,6 +480,11 @@ def _chunk_macros(shape: dict):
                 per_step_row_sum=per_step_row_sum, angles_out=angles_out)
 
 
+# Rotary pairs interleaved in blocks of this many columns (``paired_tiles``): the column step between a pair's
+# members that every GEMM accumulator layout (wgmma; mma.sync m16n8) keeps in one thread.
+_PAIR_BLOCK = 8
+
+
 def _chunk_signature(shape: dict):
     """The chunk kernel's tensors."""
     B, S, H, G, N, P, R, C, nc, nr, F = _dims(shape)
@@ -493,10 +506,17 @@ def _chunk_signature(shape: dict):
 
 
 def _chunk_program(config: dict, shape: dict):
-    """Chunk kernel: only q_hat = rot(q) and k_rot = rot(k) live in shared memory, each
-    as two F x N/2 tiles holding the columns [0, N/2) and [N/2, N), so that a rotary pair (n, N/2 + n)
-    sits at the same index of the two halves and every GEMM result on them comes as two fragments
-    with one layout: the rotary gradients and the inverse rotation are elementwise in registers.
+    """Chunk kernel: only q_hat = rot(q) and k_rot = rot(k) live in shared memory, with dS and S_c the
+    GEMM operands, and the columns of each are split into rotary pairs (n, N/2 + n), so that every GEMM
+    result on them holds both members of a pair in the same thread: the rotary gradients and the inverse
+    rotation are elementwise in registers. Two ways to hold the pairs (``paired_tiles``):
+      false: two F x N/2 tiles (dS, S: N/2 x P) with the columns [0, N/2) and [N/2, N); every product on
+             them is two GEMMs into two fragments of one layout.
+      true:  one F x N tile (dS, S: N x P rows) in interleaved order, blocks of 8 of the first half then
+             8 of the second (stored column 16k + y is column 8k + y, 16k + 8 + y is N/2 + 8k + y): a
+             GEMM's accumulator gives a thread columns y and y + 8 of each 16-column block it holds, so
+             a pair is in one thread, and each product is one GEMM of twice the width (its A operand
+             read from shared memory half as often).
 
     Identities that keep the unrotated tiles out (all rows of one step share an angle and a factor):
     k_hat = factor * k_rot enters as a row scale of the products; the same-step terms go through the
@@ -508,37 +528,100 @@ def _chunk_program(config: dict, shape: dict):
     threads = config["threads"]
     half = N // 2
     hasD = shape["hasD"]
+    paired = config["paired_tiles"]
+    blk = _PAIR_BLOCK
+    nb = half // blk
+    W = N if paired else half           # width of one column tile
     m = _chunk_macros(shape)
     sig = _chunk_signature(shape)
 
+    def lo_col(k, y):
+        """Stored column of pair j = blk k + y's first member (column j) in its tile."""
+        return 2 * blk * k + y if paired else blk * k + y
+
+    def hi_col(k, y):
+        """Stored column of the pair's second member (column N/2 + j)."""
+        return 2 * blk * k + blk + y if paired else blk * k + y
+
+    def tile_dot(lo_f, hi_f, lo_s, hi_s, f, x):
+        """(lo, hi) * (lo_s, hi_s) at stored column x, summed over the tiles."""
+        e = lo_f[f, x] * T.cast(lo_s[f, x], F32)
+        return e if paired else e + hi_f[f, x] * T.cast(hi_s[f, x], F32)
+
     @T.macro
     def rotated_tile(b, t0, h, hq, X, X_BIAS, cos_s, sin_s, ANGLES, lo_s, hi_s):
-        """lo_s / hi_s = rot(X + bias), columns [0, N/2) / [N/2, N)."""
-        for f, j in T.Parallel(F, half):
+        """rot(X + bias) into the tiles (lo_s is hi_s when paired)."""
+        for f, k, y in T.Parallel(F, nb, blk):
+            j = k * blk + y
             x0 = T.cast(X[b, t0 + f // R, f % R, hq, j], F32) + X_BIAS[h, f % R, j]
             x1 = T.cast(X[b, t0 + f // R, f % R, hq, half + j], F32) + X_BIAS[h, f % R, half + j]
             cs = _cos(cos_s, ANGLES, b, t0, h, f // R, j % nr)
             sn = _sin(sin_s, ANGLES, b, t0, h, f // R, j % nr)
-            lo_s[f, j] = T.if_then_else(j < nr, x0 * cs - x1 * sn, x0)
-            hi_s[f, j] = T.if_then_else(j < nr, x0 * sn + x1 * cs, x1)
+            lo_s[f, lo_col(k, y)] = T.if_then_else(j < nr, x0 * cs - x1 * sn, x0)
+            hi_s[f, hi_col(k, y)] = T.if_then_else(j < nr, x0 * sn + x1 * cs, x1)
+
+    @T.macro
+    def state_rows(X, b, h, c, lo_s, hi_s):
+        """The N x P tile X[b, h, c] into the row tiles (paired: one tile, rows in the interleaved order)."""
+        if paired:
+            for x, p in T.Parallel(N, P):
+                lo_s[x, p] = X[b, h, c, (x // (2 * blk)) * blk + x % blk + ((x // blk) % 2) * half, p]
+        else:
+            T.copy(X[b, h, c, 0:half, :], lo_s)
+            T.copy(X[b, h, c, half:N, :], hi_s)
+
+    @T.macro
+    def gemm_tiles(A, B_lo, B_hi, O_lo, O_hi, transpose_A, transpose_B, clear):
+        """O = A B (+ O) on each column tile; B_lo / B_hi and O_lo / O_hi are the two tiles, or (paired)
+        B_lo and O_lo the one tile, split over the warps by rows first so that every 16-column block of
+        the result lies in one warpgroup (warp on sm_120)."""
+        if paired:
+            T.gemm(A, B_lo, O_lo, transpose_A=transpose_A, transpose_B=transpose_B, clear_accum=clear,
+                   policy=T.GemmWarpPolicy.FullRow)
+        else:
+            T.gemm(A, B_lo, O_lo, transpose_A=transpose_A, transpose_B=transpose_B, clear_accum=clear,
+                   annotations=_NO_WAIT)
+            T.gemm(A, B_hi, O_hi, transpose_A=transpose_A, transpose_B=transpose_B, clear_accum=clear)
+
+    @T.macro
+    def pair_view(lo_f, hi_f):
+        """Paired: hi_f = a register copy of the one tile lo_f (TileLang 0.1.15 accepts only one index
+        expression per fragment in a loop; the copy gives the pair's second member its own name, and
+        nvcc folds it away)."""
+        if paired:
+            T.copy(lo_f, hi_f)
 
     @T.macro
     def pair_row_sum(lo_f, hi_f, lo_s, hi_s, scale_s, tmp_f, row_f, rows_s, OUT, b, t0, h):
         """OUT[b, h, t0 + t] = sum over the step's rows and all N columns of (lo, hi) * (lo_s, hi_s), times
         scale_s[t] when a scale is given."""
-        for f, j in T.Parallel(F, half):
+        for f, x in T.Parallel(F, W):
             if scale_s is None:
-                tmp_f[f, j] = lo_f[f, j] * T.cast(lo_s[f, j], F32) + hi_f[f, j] * T.cast(hi_s[f, j], F32)
+                tmp_f[f, x] = tile_dot(lo_f, hi_f, lo_s, hi_s, f, x)
             else:
-                tmp_f[f, j] = (lo_f[f, j] * T.cast(lo_s[f, j], F32) + hi_f[f, j] * T.cast(hi_s[f, j], F32)) * \
-                    scale_s[f // R]
+                tmp_f[f, x] = tile_dot(lo_f, hi_f, lo_s, hi_s, f, x) * scale_s[f // R]
         m["per_step_row_sum"](tmp_f, row_f, rows_s, OUT, b, h, t0)
 
     @T.macro
     def scale_rows(lo_f, hi_f, scale_s):
-        for f, j in T.Parallel(F, half):
-            lo_f[f, j] = lo_f[f, j] * scale_s[f // R]
-            hi_f[f, j] = hi_f[f, j] * scale_s[f // R]
+        for f, x in T.Parallel(F, W):
+            lo_f[f, x] = lo_f[f, x] * scale_s[f // R]
+            if not paired:
+                hi_f[f, x] = hi_f[f, x] * scale_s[f // R]
+
+    @T.macro
+    def angle_terms(lo_f, hi_f, lo_s, hi_s, scale_s, ang_s, accumulate):
+        """ang_s[f, j] (+)= scale (g_hi x_lo - g_lo x_hi) for the rotated pairs j < nr, g the gradient pair
+        in (lo_f, hi_f), x the rotated operand pair in (lo_s, hi_s)."""
+        pair_view(lo_f, hi_f)
+        for f, k, y in T.Parallel(F, nb, blk):
+            if k * blk + y < nr:
+                g = hi_f[f, hi_col(k, y)] * T.cast(lo_s[f, lo_col(k, y)], F32) - \
+                    lo_f[f, lo_col(k, y)] * T.cast(hi_s[f, hi_col(k, y)], F32)
+                if accumulate:
+                    ang_s[f, k * blk + y] = ang_s[f, k * blk + y] + g
+                else:
+                    ang_s[f, k * blk + y] = scale_s[f // R] * g
 
     @T.macro
     def rotate_back_out(lo_f, hi_f, cos_s, sin_s, ANGLES, OUT, out_s, b, t0, row0, h):
@@ -546,11 +629,15 @@ def _chunk_program(config: dict, shape: dict):
         stored from the fragments, or (out_s given) staged in shared memory and copied out in whole rows
         (from the fragments a warp's store covers 16 of each row's 128 bytes; ncu, H100: 19 of 32 bytes
         per sector used)."""
-        for f, j in T.Parallel(F, half):
+        pair_view(lo_f, hi_f)
+        for f, k, y in T.Parallel(F, nb, blk):
+            j = k * blk + y
+            g0 = lo_f[f, lo_col(k, y)]
+            g1 = hi_f[f, hi_col(k, y)]
             cs = _cos(cos_s, ANGLES, b, t0, h, f // R, j % nr)
             sn = _sin(sin_s, ANGLES, b, t0, h, f // R, j % nr)
-            lo = T.if_then_else(j < nr, lo_f[f, j] * cs + hi_f[f, j] * sn, lo_f[f, j])
-            hi = T.if_then_else(j < nr, hi_f[f, j] * cs - lo_f[f, j] * sn, hi_f[f, j])
+            lo = T.if_then_else(j < nr, g0 * cs + g1 * sn, g0)
+            hi = T.if_then_else(j < nr, g1 * cs - g0 * sn, g1)
             if out_s is None:
                 OUT[b, row0 + f, h, j] = lo
                 OUT[b, row0 + f, h, half + j] = hi
@@ -573,16 +660,16 @@ def _chunk_program(config: dict, shape: dict):
             T.annotate_min_blocks_per_sm(2)
             hq = h // (H // G)
             t0 = c * C
-            qh_lo = T.alloc_shared((F, half), dtype)
-            qh_hi = T.alloc_shared((F, half), dtype)
-            kr_lo = T.alloc_shared((F, half), dtype)
-            kr_hi = T.alloc_shared((F, half), dtype)
+            qh_lo = T.alloc_shared((F, W), dtype)
+            qh_hi = qh_lo if paired else T.alloc_shared((F, half), dtype)
+            kr_lo = T.alloc_shared((F, W), dtype)
+            kr_hi = kr_lo if paired else T.alloc_shared((F, half), dtype)
             psiv_s = T.alloc_shared((F, P), dtype)
             dy_s = T.alloc_shared((F, P), dtype)
-            ds_lo = T.alloc_shared((half, P), dtype)
-            ds_hi = T.alloc_shared((half, P), dtype)
-            st_lo = T.alloc_shared((half, P), dtype)
-            st_hi = T.alloc_shared((half, P), dtype)
+            ds_lo = T.alloc_shared((W, P), dtype)
+            ds_hi = ds_lo if paired else T.alloc_shared((half, P), dtype)
+            st_lo = T.alloc_shared((W, P), dtype)
+            st_hi = st_lo if paired else T.alloc_shared((half, P), dtype)
             w_s = T.alloc_shared((F, F), dtype)         # masked dkq (dk side), first the dPsiV operand
             wq_s = T.alloc_shared((F, F), dtype)        # masked dkq scaled by factor_s (dq side)
             wd_s = T.alloc_shared((F, F), dtype)        # block diagonal: the same-step R x R terms
@@ -608,9 +695,9 @@ def _chunk_program(config: dict, shape: dict):
             acc_fp = T.alloc_fragment((F, P), F32)
             acc_ff = T.alloc_fragment((F, F), F32)
             lkq_f = T.alloc_fragment((F, F), F32)
-            lo_f = T.alloc_fragment((F, half), F32)
-            hi_f = T.alloc_fragment((F, half), F32)
-            tmp_f = T.alloc_fragment((F, half), F32)
+            lo_f = T.alloc_fragment((F, W), F32)
+            hi_f = T.alloc_fragment((F, W), F32)       # paired: the copy pair_view makes
+            tmp_f = T.alloc_fragment((F, W), F32)
             row_f = T.alloc_fragment((F,), F32)
             cc_f = T.alloc_fragment((C, C), F32)
             ang_f = T.alloc_fragment((C, nr), F32)
@@ -622,14 +709,18 @@ def _chunk_program(config: dict, shape: dict):
             rotated_tile(b, t0, h, hq, Q, Q_BIAS, cos_s, sin_s, ANGLES, qh_lo, qh_hi)
             rotated_tile(b, t0, h, hq, K, K_BIAS, cos_s, sin_s, ANGLES, kr_lo, kr_hi)
             m["value_tiles"](b, h, t0, V, MIMO_V, DOUT, Z, MIMO_O, MIMO_Z, psiv_s, dy_s)
-            T.copy(DSTATES[b, h, c, 0:half, :], ds_lo)
-            T.copy(DSTATES[b, h, c, half:N, :], ds_hi)
+            state_rows(DSTATES, b, h, c, ds_lo, ds_hi)
 
             # ---- dPsiV = exp(DA_CS_REV) factor k_rot dS + (masked k_hat q_hat^T) dy + D dy + diagonal
-            T.gemm(kr_lo, ds_lo, acc_fp, clear_accum=True, annotations=_NO_WAIT)
-            T.gemm(kr_hi, ds_hi, acc_fp, annotations=_NO_WAIT)
-            T.gemm(kr_lo, qh_lo, acc_ff, transpose_B=True, clear_accum=True, annotations=_NO_WAIT)
-            T.gemm(kr_hi, qh_hi, acc_ff, transpose_B=True)
+            # (products over N: a sum over the tiles, the same in either column order)
+            if paired:
+                T.gemm(kr_lo, ds_lo, acc_fp, clear_accum=True, annotations=_NO_WAIT)
+                T.gemm(kr_lo, qh_lo, acc_ff, transpose_B=True, clear_accum=True)
+            else:
+                T.gemm(kr_lo, ds_lo, acc_fp, clear_accum=True, annotations=_NO_WAIT)
+                T.gemm(kr_hi, ds_hi, acc_fp, annotations=_NO_WAIT)
+                T.gemm(kr_lo, qh_lo, acc_ff, transpose_B=True, clear_accum=True, annotations=_NO_WAIT)
+                T.gemm(kr_hi, qh_hi, acc_ff, transpose_B=True)
             for f, p in T.Parallel(F, P):
                 acc_fp[f, p] = acc_fp[f, p] * erf_s[f // R]
             for i, j in T.Parallel(F, F):
@@ -647,49 +738,39 @@ def _chunk_program(config: dict, shape: dict):
             # ---- dkq = PsiV dy^T (row s, column t): DSSDA, masked copies, same-step terms
             T.gemm(psiv_s, dy_s, acc_ff, transpose_B=True, clear_accum=True, annotations=_NO_WAIT)
             # lkq again (recomputed: keeping it across the dPsiV steps costs an F x F tile of shared memory)
-            T.gemm(kr_lo, qh_lo, lkq_f, transpose_B=True, clear_accum=True, annotations=_NO_WAIT)
-            T.gemm(kr_hi, qh_hi, lkq_f, transpose_B=True)
+            if paired:
+                T.gemm(kr_lo, qh_lo, lkq_f, transpose_B=True, clear_accum=True)
+            else:
+                T.gemm(kr_lo, qh_lo, lkq_f, transpose_B=True, clear_accum=True, annotations=_NO_WAIT)
+                T.gemm(kr_hi, qh_hi, lkq_f, transpose_B=True)
             for i, j in T.Parallel(F, F):
                 lkq_f[i, j] = lkq_f[i, j] * fac_s[i // R]
             m["dkq_terms"](b, h, c, t0, DSSDA, DD_PART, DGAMMA_DIAG, acc_ff, lkq_f, prod_s, w_s, pv_s, wd_s,
                            seg_s, SEGSUM, gam_s, qkd_s, cc_f)
 
             # ---- dk_hat = exp(DA_CS_REV) PsiV dS^T + masked dkq q_hat; DDA_CS_REV, DFACTOR, DK
-            T.gemm(psiv_s, ds_lo, lo_f, transpose_B=True, clear_accum=True, annotations=_NO_WAIT)
-            T.gemm(psiv_s, ds_hi, hi_f, transpose_B=True, clear_accum=True)
-            # wq_s after the last read of ds_lo / ds_hi, so that it can take their bytes (8 KiB at F = 64).
+            gemm_tiles(psiv_s, ds_lo, ds_hi, lo_f, hi_f, False, True, True)
+            # wq_s after the last read of the dS tiles, so that it can take their bytes (8 KiB at F = 64).
             for i, j in T.Parallel(F, F):
                 wq_s[i, j] = acc_ff[i, j] * _seg(seg_s, SEGSUM, b, h, c, j // R, i // R) * fac_s[i // R]
             pair_row_sum(lo_f, hi_f, kr_lo, kr_hi, fac_s, tmp_f, row_f, rows_s, DDA_CS_REV, b, t0, h)
             scale_rows(lo_f, hi_f, er_s)
-            T.gemm(w_s, qh_lo, lo_f, annotations=_NO_WAIT)
-            T.gemm(w_s, qh_hi, hi_f)
+            gemm_tiles(w_s, qh_lo, qh_hi, lo_f, hi_f, False, False, False)
             pair_row_sum(lo_f, hi_f, kr_lo, kr_hi, None, tmp_f, row_f, rows_s, DFACTOR, b, t0, h)
-            for f, j in T.Parallel(F, half):
-                if j < nr:
-                    ang_s[f, j] = fac_s[f // R] * (hi_f[f, j] * T.cast(kr_lo[f, j], F32)
-                                                   - lo_f[f, j] * T.cast(kr_hi[f, j], F32))
+            angle_terms(lo_f, hi_f, kr_lo, kr_hi, fac_s, ang_s, False)
             scale_rows(lo_f, hi_f, fac_s)
-            T.gemm(wd_s, qh_lo, lo_f, annotations=_NO_WAIT)                      # same-step terms
-            T.gemm(wd_s, qh_hi, hi_f)
+            gemm_tiles(wd_s, qh_lo, qh_hi, lo_f, hi_f, False, False, False)       # same-step terms
             rotate_back_out(lo_f, hi_f, cos_s, sin_s, ANGLES, DK, out_s, b, t0, c * F, h)
 
             # ---- dq_hat = exp(DA_CS) dy S_c^T + masked dkq^T k_hat; DDA_CS, DQ, DANGLES
-            T.copy(STATES[b, h, c, 0:half, :], st_lo)
-            T.copy(STATES[b, h, c, half:N, :], st_hi)
-            T.gemm(dy_s, st_lo, lo_f, transpose_B=True, clear_accum=True, annotations=_NO_WAIT)
-            T.gemm(dy_s, st_hi, hi_f, transpose_B=True, clear_accum=True)
+            state_rows(STATES, b, h, c, st_lo, st_hi)
+            gemm_tiles(dy_s, st_lo, st_hi, lo_f, hi_f, False, True, True)
             pair_row_sum(lo_f, hi_f, qh_lo, qh_hi, None, tmp_f, row_f, rows_s, DDA_CS, b, t0, h)
             scale_rows(lo_f, hi_f, ea_s)
-            T.gemm(wq_s, kr_lo, lo_f, transpose_A=True, annotations=_NO_WAIT)
-            T.gemm(wq_s, kr_hi, hi_f, transpose_A=True)
-            for f, j in T.Parallel(F, half):
-                if j < nr:
-                    ang_s[f, j] = ang_s[f, j] + hi_f[f, j] * T.cast(qh_lo[f, j], F32) - \
-                        lo_f[f, j] * T.cast(qh_hi[f, j], F32)
+            gemm_tiles(wq_s, kr_lo, kr_hi, lo_f, hi_f, True, False, False)
+            angle_terms(lo_f, hi_f, qh_lo, qh_hi, None, ang_s, True)
             m["angles_out"](b, t0, h, DANGLES, ang_s, ang_f)
-            T.gemm(wd_s, kr_lo, lo_f, transpose_A=True, annotations=_NO_WAIT)    # same-step terms
-            T.gemm(wd_s, kr_hi, hi_f, transpose_A=True)
+            gemm_tiles(wd_s, kr_lo, kr_hi, lo_f, hi_f, True, False, False)        # same-step terms
             rotate_back_out(lo_f, hi_f, cos_s, sin_s, ANGLES, DQ, out_s, b, t0, c * F, h)
 
     return chunk
