@@ -84,8 +84,6 @@ _PAIRED = ("training", {"scan_threads": 256, "scan_block_P": 128, "stage_out": T
     # scan_segments: a local scan pass over segments 1..K-1, then the scan from composed carries.
     ("sm_121a", *_SEGMENTS), ("sm_90a", *_SEGMENTS),
     ("sm_90a", *_PAIRED), ("sm_121a", "gb10", {"paired_tiles": True}),
-    # overlap_pieces: the scan from a carry and the chunk kernel from a chunk offset, both runtime scalars
-    ("sm_90a", "training", {**_PAIRED[1], "overlap_pieces": 4}), ("sm_121a", "gb10", {"overlap_pieces": 2}),
 ])
 def test_new_variants_compile_to_cubins(target, shape_name, config):
     shape = space.get_shape("mamba_bwd_bwd", shape_name)
@@ -171,7 +169,6 @@ def test_options_ranks_and_parity_shapes_lower(case, at_parity_shape):
     ({"threads": 512}, GB10, "threads=512"),
     ({"scan_segments": 3}, GB10, "scan_segments=3"),
     ({"paired_tiles": True, "threads": 128}, {**GB10, "C": 8}, "paired_tiles at C*R=32"),
-    ({"overlap_pieces": 2, "scan_segments": 2}, GB10, "needs scan_segments = 1"),
     ({"paired_tiles": True, "threads": 512, "scan_block_N": 32, "scan_block_P": 64}, {**GB10, "N": 96},
      "multiple of 64"),
 ])

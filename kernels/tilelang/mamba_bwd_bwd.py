@@ -45,9 +45,6 @@ Tunables (values and rules: sweeps/mamba_bwd_bwd/tilelang.toml):
   stage_out           DQ / DK staged in a shared F x N tile and stored in whole rows
   paired_tiles        the chunk kernel's rotary-pair operands as one interleaved tile each, one GEMM per
                       product instead of one per half (see ``_chunk_program``)
-  overlap_pieces      the scan and the chunk kernel launched in this many pieces over the chunks, on two
-                      streams, so that the chunk work of one piece runs beside the scan of the next
-                      (see ``_overlapped``)
   fast_math           True sets tl.enable_fast_math (fast exp/sin/cos); false only as the sweep file's
                       [precision.exact] run option
 Fixed (pass configs): no TMA lowering, no warp specialization, the aggressive shared-memory merge in
@@ -68,10 +65,10 @@ from kernels.tilelang import _smem_plan as smem_plan
 DSL = "tilelang"
 KERNEL = "mamba_bwd_bwd"
 TUNABLES = ("scan_segments", "threads", "scan_threads", "scan_block_N", "scan_block_P", "scan_stages", "global_tables",
-            "stage_out", "paired_tiles", "overlap_pieces", "fast_math")
+            "stage_out", "paired_tiles", "fast_math")
 DEFAULTS = {"scan_segments": 1, "threads": 256, "scan_threads": 128, "scan_block_N": 64, "scan_block_P": 16,
             "scan_stages": 2, "global_tables": False, "stage_out": False, "paired_tiles": False,
-            "overlap_pieces": 1, "fast_math": True}
+            "fast_math": True}
 TARGETS = tl.TARGETS
 DTYPES = ("float16", "bfloat16")
 F32 = "float32"
@@ -99,8 +96,6 @@ def config_reason(config: dict, shape: dict) -> str | None:
         return f"C*R={F}, N={shape['N']}, P={shape['P']} too small for {warps} warps (16x16 of each product per warp)"
     if c["scan_block_N"] * c["scan_block_P"] < (c["scan_threads"] // 32) * 256:
         return f"scan tile {c['scan_block_N']}x{c['scan_block_P']} too small for {c['scan_threads'] // 32} warps"
-    if c["overlap_pieces"] > 1 and c["scan_segments"] > 1:
-        return "overlap_pieces > 1 needs scan_segments = 1 (the pieces carry dS from one launch to the next)"
     if c["paired_tiles"] and (F % 64 or shape["N"] % (2 * _PAIR_BLOCK * (warps // 4))):
         # the pair layout assumes the chunk kernel's products split by warpgroup rows (4 warps over 64 rows),
         # then over N in groups of whole 16-column blocks
@@ -244,8 +239,7 @@ def _scan_program(config: dict, shape: dict, local: bool = False):
     reduceO, hasZ = shape["reduceO"], shape["hasZ"]
     dout_shape = (B, S, H, P) if reduceO else (B, S, R, H, P)
     K = _segments(config, shape)
-    pieces = _pieces(config, shape)
-    L = nc // K // pieces
+    L = nc // K
     grid_segments, seg_first = (K - 1, 1) if local else (K, 0)
 
     @T.prim_func
@@ -255,7 +249,7 @@ def _scan_program(config: dict, shape: dict, local: bool = False):
              MIMO_O: T.Tensor((H, R, P), F32), MIMO_Z: T.Tensor((H, R, P), F32),
              STATES: T.Tensor((B, H, nc, N, P), "bfloat16"), DSTATES: T.Tensor((B, H, nc, N, P), dtype),
              DDA_PART: T.Tensor((B, H, nc, tiles), F32), CARRY: T.Tensor((B, H, K, N, P), F32),
-             SEG_DECAY: T.Tensor((B, H, K), F32), c_top: T.int32):
+             SEG_DECAY: T.Tensor((B, H, K), F32)):
         with T.Kernel(H, B, tiles * grid_segments, threads=threads) as (h, b, bz):
             hq = h // (H // G)
             tile = bz % tiles
@@ -296,13 +290,7 @@ def _scan_program(config: dict, shape: dict, local: bool = False):
                 T.copy(MIMO_O[h, :, p0:p0 + bp], mo_s)
             if hasZ:
                 T.copy(MIMO_Z[h, :, p0:p0 + bp], mz_s)
-            if pieces > 1:
-                # this piece's chunks are [c_top - L, c_top); the piece above left its dS in CARRY (zeroed
-                # by the host before the first piece)
-                T.assume(L <= c_top and c_top <= nc)
-                T.copy(CARRY[b, h, 0, n0:n0 + bn, p0:p0 + bp], ds_f)
-            else:
-                T.clear(ds_f)
+            T.clear(ds_f)
             if K > 1 and not local:
                 # carry_k = CARRY_{k+1} + decay_{k+1} (CARRY_{k+2} + decay_{k+2} (...)), innermost first
                 for jj in T.serial(K - 1):
@@ -311,8 +299,7 @@ def _scan_program(config: dict, shape: dict, local: bool = False):
                         for i, p in T.Parallel(bn, bp):
                             ds_f[i, p] = ds_f[i, p] * SEG_DECAY[b, h, j] + CARRY[b, h, j, n0 + i, p0 + p]
             for it in T.Pipelined(L, num_stages=stages):
-                # static when whole: no bounds guards
-                c = (seg + 1) * L - 1 - it if K > 1 else (c_top - 1 - it if pieces > 1 else nc - 1 - it)
+                c = (seg + 1) * L - 1 - it if K > 1 else nc - 1 - it    # static when whole: no bounds guards
                 T.copy(Q[b, c * C:(c + 1) * C, :, hq, :], q_raw)
                 T.copy(ANGLES[b, c * C:(c + 1) * C, h, :], ang_raw)
                 T.copy(DA_CS[b, h, c * C:(c + 1) * C], da_raw)
@@ -368,8 +355,6 @@ def _scan_program(config: dict, shape: dict, local: bool = False):
                 for i, j in T.Parallel(bn, bp):
                     ds_f[i, j] = ds_f[i, j] * ea_s[C - 1]
                 T.gemm(qh_s, dy_s, ds_f, transpose_A=True)
-            if pieces > 1:
-                T.copy(ds_f, CARRY[b, h, 0, n0:n0 + bn, p0:p0 + bp])
             if local:
                 T.copy(ds_f, CARRY[b, h, seg, n0:n0 + bn, p0:p0 + bp])
                 for i in T.Parallel(1):
@@ -396,13 +381,6 @@ def _segments(config: dict, shape: dict) -> int:
     most ``scan_segments`` (a chunk count it does not divide, as at the small parity shapes, takes fewer)."""
     nc = shape["S"] // shape["C"]
     return max(k for k in range(1, config["scan_segments"] + 1) if nc % k == 0)
-
-
-def _pieces(config: dict, shape: dict) -> int:
-    """Pieces of the overlapped schedule (``overlap_pieces``; see ``build``): the largest divisor of the
-    chunk count that is at most the knob."""
-    nc = shape["S"] // shape["C"]
-    return max(k for k in range(1, config["overlap_pieces"] + 1) if nc % k == 0)
 
 
 def _chunk_macros(shape: dict):
@@ -524,7 +502,7 @@ def _chunk_signature(shape: dict):
         DK=T.Tensor((B, S * R, H, N), dtype), DV=T.Tensor((B, S, H, P), dtype), DANGLES=T.Tensor((B, S, H, nr), F32),
         DFACTOR=T.Tensor((B, H, S), F32), DGAMMA_DIAG=T.Tensor((B, H, S), F32), DDA_CS=T.Tensor((B, H, S), F32),
         DDA_CS_REV=T.Tensor((B, H, S), F32), DSSDA=T.Tensor((B, H, nc, C, C), F32),
-        DMV_PART=T.Tensor((B, H, nc, R, P), F32), DD_PART=T.Tensor((B, H, nc), F32), c0=T.int32)
+        DMV_PART=T.Tensor((B, H, nc, R, P), F32), DD_PART=T.Tensor((B, H, nc), F32))
 
 
 def _chunk_program(config: dict, shape: dict):
@@ -551,7 +529,6 @@ def _chunk_program(config: dict, shape: dict):
     half = N // 2
     hasD = shape["hasD"]
     paired = config["paired_tiles"]
-    pieces = _pieces(config, shape)
     blk = _PAIR_BLOCK
     nb = half // blk
     W = N if paired else half           # width of one column tile
@@ -678,12 +655,9 @@ def _chunk_program(config: dict, shape: dict):
               DOUT: sig["DOUT"], DSTATES: sig["DSTATES"], DQ: sig["DQ"], DK: sig["DK"], DV: sig["DV"],
               DANGLES: sig["DANGLES"], DFACTOR: sig["DFACTOR"], DGAMMA_DIAG: sig["DGAMMA_DIAG"],
               DDA_CS: sig["DDA_CS"], DDA_CS_REV: sig["DDA_CS_REV"], DSSDA: sig["DSSDA"],
-              DMV_PART: sig["DMV_PART"], DD_PART: sig["DD_PART"], c0: sig["c0"]):
-        with T.Kernel(nc // pieces, H, B, threads=threads) as (cx, h, b):
+              DMV_PART: sig["DMV_PART"], DD_PART: sig["DD_PART"]):
+        with T.Kernel(nc, H, B, threads=threads) as (c, h, b):
             T.annotate_min_blocks_per_sm(2)
-            c = c0 + cx if pieces > 1 else cx    # a piece's chunks [c0, c0 + nc / pieces)
-            if pieces > 1:
-                T.assume(0 <= c0 and c0 <= nc - nc // pieces)
             hq = h // (H // G)
             t0 = c * C
             qh_lo = T.alloc_shared((F, W), dtype)
@@ -910,7 +884,7 @@ def build(config: dict, shape: dict):
         _check_layout(name, program, kernels[name].get_kernel_source())
     info = _launch_info(kernels, config, shape, target)
     B, S, H, G, N, P, R, C, nc, nr, F = _dims(shape)
-    segments, pieces = _segments(config, shape), _pieces(config, shape)
+    segments = _segments(config, shape)
     work: dict = {}
 
     def run(inputs, outputs):
@@ -927,48 +901,18 @@ def build(config: dict, shape: dict):
         z, mo, mz, d = i["Z"], i["MIMO_O"], i["MIMO_Z"], i["D"]
         scan_args = (i["Q"], i["Q_BIAS"], i["ANGLES"], i["DA_CS"], i["DOUT"], z, mo, mz, i["STATES"], work["ds"],
                      work["dda"], work["carry"], work["decay"])
-        chunk_args = (i["Q"], i["K"], i["V"], i["Q_BIAS"], i["K_BIAS"], i["MIMO_V"], mo, mz, z, d,
-                      i["ANGLES"], i["DA_CS"], i["DA_CS_REV"], i["DT"], i["TRAP"], i["STATES"], i["QK_DOT"],
-                      i["SEGSUM"], i["DOUT"], work["ds"], o["DQ"], o["DK"], o["DV"], o["DANGLES"],
-                      o["DFACTOR"], o["DGAMMA_DIAG"], o["DDA_CS"], o["DDA_CS_REV"], o["DSSDA"], work["dmv"],
-                      work["dd"])
         if segments > 1:
-            kernels["scan_local"](*scan_args, nc)
-        if pieces == 1:
-            kernels["scan"](*scan_args, nc)
-            kernels["chunk"](*chunk_args, 0)
-        else:
-            _overlapped(kernels, scan_args, chunk_args, work, nc, pieces)
+            kernels["scan_local"](*scan_args)
+        kernels["scan"](*scan_args)
+        kernels["chunk"](i["Q"], i["K"], i["V"], i["Q_BIAS"], i["K_BIAS"], i["MIMO_V"], mo, mz, z, d,
+                         i["ANGLES"], i["DA_CS"], i["DA_CS_REV"], i["DT"], i["TRAP"], i["STATES"], i["QK_DOT"],
+                         i["SEGSUM"], i["DOUT"], work["ds"], o["DQ"], o["DK"], o["DV"], o["DANGLES"],
+                         o["DFACTOR"], o["DGAMMA_DIAG"], o["DDA_CS"], o["DDA_CS_REV"], o["DSSDA"], work["dmv"],
+                         work["dd"])
         kernels["reduce"](work["dmv"], work["dd"], work["dda"], i["DA_CS"], o["DMIMO_V"],
                           o["DD"] if shape["hasD"] else work["dd_out"], o["DDA"])
         return info
     return run
-
-
-def _overlapped(kernels: dict, scan_args: tuple, chunk_args: tuple, work: dict, nc: int, pieces: int) -> None:
-    """The scan in ``pieces`` launches over the chunks from the last down, each continuing from the dS the
-    one before left in the carry, on a high-priority stream; the chunk kernel over the same chunk ranges on
-    a second stream, each launch waiting only for the scan piece that wrote its dS. A chunk piece then
-    runs while the next scan piece walks (the scan holds one CTA per SM at 1 / 3 of the time: its walk is
-    latency-bound). Both streams fork from and join the caller's stream, so timings and CUDA graphs see
-    one unit of work."""
-    caller = torch.cuda.current_stream()
-    if "streams" not in work:
-        work["streams"] = (torch.cuda.Stream(priority=-1), torch.cuda.Stream())
-    scan_stream, chunk_stream = work["streams"]
-    work["carry"].zero_()
-    scan_stream.wait_stream(caller)
-    chunk_stream.wait_stream(caller)
-    step = nc // pieces
-    for p in range(pieces):
-        c_top = nc - p * step
-        with torch.cuda.stream(scan_stream):
-            kernels["scan"](*scan_args, c_top)
-        chunk_stream.wait_stream(scan_stream)
-        with torch.cuda.stream(chunk_stream):
-            kernels["chunk"](*chunk_args, c_top - step)
-    caller.wait_stream(scan_stream)
-    caller.wait_stream(chunk_stream)
 
 
 def _launch_info(kernels: dict, config: dict, shape: dict, target: str) -> dict:
