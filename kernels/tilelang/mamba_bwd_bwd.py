@@ -196,9 +196,8 @@ def _dy_value(DOUT, Z, MIMO_O, MIMO_Z, b, t, r, h, p, shape):
 
 def _step_sum(terms: list):
     """The sum of ``terms`` as one unrolled expression, added pairwise. A small sum written this way into a
-    T.Parallel(C) loop runs on C threads; accumulated in a [C] fragment, TileLang 0.1.15 replicates it on
-    every thread of the CTA (the DGAMMA_DIAG sum's shared loads: 11% of the chunk kernel's shared
-    wavefronts, ncu, H100, training shape)."""
+    T.Parallel(C) loop runs on C threads; accumulated in a [C] fragment, TileLang 0.1.15 replicates it
+    (and its shared-memory loads) on every thread of the CTA."""
     while len(terms) > 1:
         terms = [terms[i] + terms[i + 1] if i + 1 < len(terms) else terms[i] for i in range(0, len(terms), 2)]
     return terms[0]
