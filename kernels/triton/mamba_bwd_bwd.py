@@ -473,30 +473,25 @@ def smem_kernels(config: dict, shape: dict, target: str) -> dict:
     sm90 = _common.cc(target) == 90
 
     def wgmma(m: int, warps: int) -> tuple[bool, bool]:
-        """(an m-row product runs on warpgroup MMA, its warps split N too). Else (below 64 rows, under
-        4 warps, sm_121a) Triton takes mma.sync, whose operands go through registers."""
-        on = sm90 and m % 64 == 0 and warps >= 4
+        """(an m-row product runs on warpgroup MMA, its warps split N too). Else (below 64 rows,
+        sm_121a) Triton takes mma.sync, whose operands go through registers."""
+        on = sm90 and m % 64 == 0
         return on, on and 16 * warps > m
 
     def mma_cvt(nbytes: int, warps: int) -> int:
         """Scratch of an accumulator's conversion between two wgmma layouts: 16 B per thread a round."""
         return min(512 * warps, nbytes)
 
-    # Scan, bytes. stage (one per pipeline stage beyond the first): cp.async buffers of the chunk loop's
-    # fp32 loads (bf16 / fp16 loads, of unknown alignment in an AOT compile, are not pipelined): angles
-    # 4 F BJ, DA_CS rows 4 F and the last step's 4, MIMO_O / MIMO_Z 4 R BP each when present. body:
-    # with wgmma (SCAN_BJ = 64, 4+ warps on sm_90a) exp(DA) dy's operand e F BP plus the larger of the
-    # q_hat^T operand e BJ F and the dS tile's conversion e BJ BP; else the largest of e BJ F, the dS
+    # Scan, bytes (its products have SCAN_BJ rows: mma.sync). stage (one per pipeline stage beyond the
+    # first): cp.async buffers of the chunk loop's fp32 loads (bf16 / fp16 loads, of unknown alignment
+    # in an AOT compile, are not pipelined): angles 4 F BJ, DA_CS rows 4 F and the last step's 4,
+    # MIMO_O / MIMO_Z 4 R BP each when present. body: the largest of the q_hat^T operand e BJ F, the dS
     # tile's conversion e BJ BP and dy's rows' e (C or F) BP, those conversions at full size (upper
-    # bounds where they decide: they take rounds). One stage: the larger of body and q's / the angles'
-    # fp32 conversion 4 F BJ, an upper bound (smem_inexact).
-    bj, bp, w, st = c["SCAN_BJ"], c["SCAN_BP"], c["scan_warps"], c["scan_stages"]
+    # bounds where they decide: they take rounds).
+    bj, bp = c["SCAN_BJ"], c["SCAN_BP"]
     stage = 4 * F * bj + 4 * F + 4 + 4 * R * bp * (bool(shape["hasZ"]) + bool(shape["reduceO"]))
-    if wgmma(bj, w)[0]:
-        body = e * F * bp + max(e * bj * F, e * bj * bp)
-    else:
-        body = max(e * bj * F, e * bj * bp, e * (C if shape["reduceO"] else F) * bp)
-    scan = (st - 1) * stage + (max(body, 4 * F * bj) if st == 1 else body)
+    body = max(e * bj * F, e * bj * bp, e * (C if shape["reduceO"] else F) * bp)
+    scan = (c["scan_stages"] - 1) * stage + body
 
     # Key side, after its P loop: dqk [F, F] (e) lives to the end. Peak one: dkq_m's conversion to the
     # transposed product's layout (e F F). Peak two: the fp32 [F, KEY_BJ] conversions of the rotary
@@ -504,7 +499,7 @@ def smem_kernels(config: dict, shape: dict, target: str) -> dict:
     # from their product to their last use and q_hat's operand (e F BJ) comes and goes, or the four
     # e-byte [F, BJ] tiles of q_hat and k_hat stored for the value side are staged; when the warps
     # split N, dkq_m [F, F] (e) is staged for its products too and fp32 [F, BJ] accumulators change
-    # layout. At C*R = 16 the P loop's buffers come into play: an upper bound, with all of them.
+    # layout. At C*R = 16, an upper bound.
     bj, w = c["KEY_BJ"], c["key_warps"]
     on, split = wgmma(F, w)
     if on:
@@ -514,34 +509,28 @@ def smem_kernels(config: dict, shape: dict, target: str) -> dict:
     elif F >= 32:
         key = max(4 * F * F, 2 * F * F + 4 * F * bj)
     else:
-        key = 4 * F * F + 4 * F * bj + (c["chunk_stages"] - 1) * 3 * 4 * R * c["KEY_BP"]
+        key = 4 * F * F + 4 * F * bj
 
     # Value side, bytes (the compiler's figure where _value_modelled, else a bound: smem_inexact).
     # ff = e F F: diag_t, staged all kernel long (lkq_m too with split warps); kt = e F VALUE_BJ: a
     # k_hat / q_hat tile; ds = e VALUE_BJ BLOCK_P: a dS tile; dy = e F BLOCK_P: dy's operand; acc =
     # 4 F BLOCK_P: an fp32 [F, BLOCK_P] conversion (khds' on split wgmma, 512 a warp at most; dpsiv's
-    # for D * dy where dy's layout differs); 4 F F: an fp32 [F, F] conversion; pipe: cp.async
-    # buffers of the fp32 [R, BLOCK_P] loads (PSI, MIMO_O, MIMO_Z; two a load where the tile has
-    # fewer elements than threads), only with one-step N loops (VALUE_BJ = N/2): a P loop that
-    # nests a loop is not pipelined.
-    bj, bp, w, st = c["VALUE_BJ"], c["BLOCK_P"], c["chunk_warps"], c["chunk_stages"]
+    # for D * dy where dy's layout differs); 4 F F: an fp32 [F, F] conversion.
+    bj, bp, w = c["VALUE_BJ"], c["BLOCK_P"], c["chunk_warps"]
     reduce_o = bool(shape["reduceO"])
     ff, kt, ds, dy, acc = e * F * F, e * F * bj, e * bj * bp, e * F * bp, 4 * F * bp
-    one = bj == shape["N"] // 2
+    one = bj == shape["N"] // 2          # one-step N loops
     spread = R * bp >= 32 * w            # an [R, BLOCK_P] tile has an element per thread
-    pipe = (st - 1) * (1 + bool(shape["hasZ"]) + reduce_o) * 4 * R * bp * (1 if spread else 2) if one else 0
-    dpsiv = acc if shape["hasD"] and (R == 1 or spread) and not (one and st > 1) else 0
-    on, split = wgmma(F, w)
+    dpsiv = acc if shape["hasD"] and (R == 1 or spread) else 0
+    split = wgmma(F, w)[1]               # at C*R = 32 and 64, wgmma runs only with its warps split
     if not _value_modelled(shape):
         value = 4 * F * F * (1 + sm90) + e * F * (bj + bp) + 2 * e * bj * bp
     elif split and one:
-        value = max(ff + dy + max(kt + ds, mma_cvt(acc, w)) + pipe, ff + dy + dpsiv, 4 * F * F)
+        value = max(ff + dy + max(kt + ds, mma_cvt(acc, w)), ff + dy + dpsiv, 4 * F * F)
     elif split:
         value = max(2 * ff + dy + mma_cvt(acc, w) + kt + ds, 2 * ff + dy + dpsiv)
-    elif on:
-        value = max(ff + 2 * kt, ff + dy + kt + ds + pipe, ff + dy + dpsiv, 4 * F * F * (R == 1))
     elif one:
-        value = max(2 * kt, kt + ds + pipe, dpsiv, ff * (w >= 8), (2 * dy + pipe) * (not reduce_o))
+        value = max(2 * kt, kt + ds, dpsiv, ff, 2 * dy * (not reduce_o))
     else:
         value = max(ff + 2 * kt, ff + dpsiv, 4 * F * F * (R == 1), (ff + 2 * dy) * (not reduce_o))
 
@@ -552,14 +541,13 @@ def smem_inexact(config: dict, shape: dict, target: str) -> set:
     """The kernels whose smem_kernels figure is an upper bound, not the compiler's figure."""
     c = {**DEFAULTS, **config}
     F = shape["C"] * shape["R"]
-    bj, bp = c["SCAN_BJ"], c["SCAN_BP"]
-    scan_wgmma = _common.cc(target) == 90 and bj % 64 == 0 and c["scan_warps"] >= 4
+    bj = c["SCAN_BJ"]
     dy_rows = shape["C"] if shape["reduceO"] else F
     out = set()
-    if c["scan_stages"] == 1 or (not scan_wgmma and bj * F < max(bj, dy_rows) * bp):
+    if bj * F < max(bj, dy_rows) * c["SCAN_BP"]:
         out.add("scan")           # a layout conversion's scratch (rounds per warp count) decides
     if F < 32 or c["KEY_BP"] == shape["P"]:
-        out.add("key")            # C*R = 16: the P loop's buffers decide; one P step: its layouts change
+        out.add("key")            # C*R = 16; or one P step: its layouts change
     if not _value_modelled(shape):
         out.add("value")          # C*R outside 32 and 64: not probed, the bound stands
     return out
@@ -572,22 +560,13 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
     time; sm_90a's warpgroup MMA, taken for products of 64 or 128 rows, reads B from shared memory,
     and A too when its warps split N), and layout-conversion scratch (terms in smem_kernels).
 
-    The scan's and the key side's figures equal the compiler's for sm_90a and sm_121a
-    (tests/test_triton_mamba.py; probed over every tunable at C*R = 16, 32 and 64, spot-checked at
-    128) except where smem_inexact names them: the scan at scan_stages = 1, or off sm_90a's wgmma path
-    where its dS / dy layout conversion outweighs the q_hat^T operand (that scratch depends on how many
-    rounds the conversion takes: up to 6 KB high with 2+ stages, 14 KB with one); the key side at
-    C*R = 16 or KEY_BP = P. On the wgmma path (SCAN_BJ = 64, 4+ warps) the scan's figure with 2+
-    stages is the compiler's at every named shape with N = 128, SCAN_BJ > C*R included. At the named
-    shapes (over the sweep space) the scan's bound gives the largest figure only with SCAN_BP >= 64 or
-    scan_stages = 1; on sm_90a only at grid_n128_p128_r4_c8 and at training (SCAN_BJ = 32,
-    SCAN_BP = 128, 3 stages). The key side's never does.
-    The value side's figure equals the compiler's at C*R = 32 and 64 (every named shape): probed on
-    both targets over the sweep's value-side tunables (VALUE_BJ, BLOCK_P, chunk_warps, chunk_stages;
-    KEY_BJ, which sets its NBJ) at every named shape, in bf16 and fp16. At other C*R it is an upper
-    bound (smem_inexact; it held at C*R = 16 and 128 in 192 probes). So at the named shapes the
-    estimate is exact except where the scan's bound gives it (above). Not modelled: C*R >= 256 (over
-    every device's limit)."""
+    Over the sweep space (sweeps/mamba_bwd_bwd/triton.toml) at every named shape, each kernel's figure
+    equals the compiler's for sm_90a and sm_121a (tests/test_triton_mamba.py) except where smem_inexact
+    names it; there it is an upper bound. The value side's figure is exact at C*R = 32 and 64 (every
+    named shape); the key side's at C*R >= 32 with KEY_BP < P (every named shape). The scan's is a
+    bound where its dS / dy layout conversion outweighs the q_hat^T operand (at the named shapes:
+    SCAN_BP = 128, or R = 1, or unreduced DOUT); that bound gives the largest figure only at
+    grid_n128_p128_r4_c8 with SCAN_BP = 128. Not modelled: C*R >= 256 (over every device's limit)."""
     return max(smem_kernels(config, shape, target).values())
 
 
