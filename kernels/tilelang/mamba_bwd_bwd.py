@@ -151,8 +151,8 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
     scan), bytes, without compiling: TileLang's planner replayed on each kernel's own program
     (kernels/tilelang/_smem_plan.py): the chunk kernel at statement granularity (aggressive merge),
     the scan with every buffer live across its chunk loop (the merge is off there), its pipelined
-    copies times scan_stages and the reduction workspaces of its DDA row sums (scan_threads * 4 bytes
-    each: one on sm_90 when a single warpgroup holds the wgmma accumulator, else two).
+    copies times scan_stages and the reduction workspace of its DDA row sums (scan_threads * 4 bytes;
+    none on sm_90 when a single warpgroup holds the wgmma accumulator: its rows never cross warps).
     Tested equal to the compiler for sm_90a and sm_121a (tests/test_tilelang_mamba.py)."""
     c = {**DEFAULTS, **config}
     shape_key = tuple(sorted(shape.items()))
@@ -169,7 +169,7 @@ def _planned(kernel: str, key: tuple, shape_key: tuple, target: str) -> int:
     threads = config["scan_threads"]
     one_warpgroup_wgmma = tl.cc(target) == 90 and threads == 128 and config["scan_block_N"] % 64 == 0
     return smem_plan.planned_bytes(program, target, False, {n: max(config["scan_stages"], 1) for n in _SCAN_PIPELINED},
-                                   ("ds_s", [threads * 4] * (1 if one_warpgroup_wgmma else 2)))
+                                   None if one_warpgroup_wgmma else ("ds_s", [threads * 4]))
 
 
 # --------------------------------------------------------------------------------------------
@@ -182,16 +182,25 @@ def _dims(shape: dict):
             shape["N"] // shape["rd"], C * R)
 
 
-def _dy_value(DOUT, Z, MIMO_O, MIMO_Z, b, t, r, h, p, shape):
-    """dL/dy at (step t, rank r, head h, column p), fp32: DOUT through Phi and the SiLU(Z*Zeta) gate."""
+def _dy_value(DOUT, Z, MIMO_O, MIMO_Z, b, t, r, h, p, shape, fast: bool):
+    """dL/dy at (step t, rank r, head h, column p), fp32: DOUT through Phi and the SiLU(Z*Zeta) gate
+    (``fast``: see _silu)."""
     if shape["reduceO"]:
         d = T.cast(DOUT[b, t, h, p], F32) * MIMO_O[h, r, p]
     else:
         d = T.cast(DOUT[b, t, r, h, p], F32)
     if shape["hasZ"]:
-        zz = T.cast(Z[b, t, h, p], F32) * MIMO_Z[h, r, p]
-        d = d * zz * T.sigmoid(zz)
+        d = d * _silu(T.cast(Z[b, t, h, p], F32) * MIMO_Z[h, r, p], fast)
     return d
+
+
+def _silu(x, fast: bool):
+    """x sigmoid(x), fp32. fast: h + h tanh(h) with h = x / 2, which nvcc's --use_fast_math (TileLang's
+    fast_math) turns into one MUFU.TANH where the sigmoid takes two MUFU ops (exp and reciprocal)."""
+    if fast:
+        h = x * 0.5
+        return h + h * T.tanh(h)
+    return x * T.sigmoid(x)
 
 
 def _step_sum(terms: list):
@@ -247,7 +256,7 @@ def _scan_program(config: dict, shape: dict, local: bool = False):
              DOUT: T.Tensor(dout_shape, dtype), Z: T.Tensor((B, S, H, P), dtype),
              MIMO_O: T.Tensor((H, R, P), F32), MIMO_Z: T.Tensor((H, R, P), F32),
              STATES: T.Tensor((B, H, nc, N, P), "bfloat16"), DSTATES: T.Tensor((B, H, nc, N, P), dtype),
-             DDA_PART: T.Tensor((B, H, nc, tiles), F32), CARRY: T.Tensor((B, H, K, N, P), F32),
+             DDA_PART: T.Tensor((B, H, tiles, bn, nc), F32), CARRY: T.Tensor((B, H, K, N, P), F32),
              SEG_DECAY: T.Tensor((B, H, K), F32)):
         with T.Kernel(H, B, tiles * grid_segments, threads=threads) as (h, b, bz):
             hq = h // (H // G)
@@ -280,7 +289,6 @@ def _scan_program(config: dict, shape: dict, local: bool = False):
                 T.annotate_layout({buf: tilelang.layout.make_swizzled_layout(buf) for buf in (ds_s, st_raw)})
                 prod_f = T.alloc_fragment((bn, bp), F32)
                 row_f = T.alloc_fragment((bn,), F32)
-                one = T.alloc_fragment((1,), F32)
             else:
                 log_decay = T.alloc_fragment((1,), F32)
                 T.clear(log_decay)
@@ -316,9 +324,11 @@ def _scan_program(config: dict, shape: dict, local: bool = False):
                     T.copy(ds_s, DSTATES[b, h, c, n0:n0 + bn, p0:p0 + bp])
                     for i, j in T.Parallel(bn, bp):
                         prod_f[i, j] = ds_f[i, j] * T.cast(st_raw[i, j], F32)
+                    # the tile's bn row sums go out as they are, summed in the reduce kernel: a sum over
+                    # the rows here is one more cross-warp reduction (barriers) in every serial step
                     T.reduce_sum(prod_f, row_f, dim=1)
-                    T.reduce_sum(row_f, one, dim=0)
-                    T.copy(one, DDA_PART[b, h, c, tile:tile + 1])
+                    for i in T.Parallel(bn):
+                        DDA_PART[b, h, tile, i, c] = row_f[i]
                 else:
                     for i in T.Parallel(1):
                         log_decay[i] = log_decay[i] + da_raw[C - 1]
@@ -348,8 +358,7 @@ def _scan_program(config: dict, shape: dict, local: bool = False):
                     else:
                         d = T.cast(do_raw[t, r, j], F32)
                     if hasZ:
-                        zz = T.cast(z_raw[t, j], F32) * mz_s[r, j]
-                        d = d * zz * T.sigmoid(zz)
+                        d = d * _silu(T.cast(z_raw[t, j], F32) * mz_s[r, j], config["fast_math"])
                     dy_s[f, j] = d * ea_s[t]
                 for i, j in T.Parallel(bn, bp):
                     ds_f[i, j] = ds_f[i, j] * ea_s[C - 1]
@@ -382,7 +391,7 @@ def _segments(config: dict, shape: dict) -> int:
     return max(k for k in range(1, config["scan_segments"] + 1) if nc % k == 0)
 
 
-def _chunk_macros(shape: dict):
+def _chunk_macros(shape: dict, fast: bool):
     """Macros of the chunk kernel (inlined where called)."""
     B, S, H, G, N, P, R, C, nc, nr, F = _dims(shape)
     half = N // 2
@@ -409,14 +418,14 @@ def _chunk_macros(shape: dict):
                 cos_s[t, j] = T.cos(ANGLES[b, t0 + t, h, j])
                 sin_s[t, j] = T.sin(ANGLES[b, t0 + t, h, j])
         for f, i in T.Parallel(F, R):
-            qkd_s[f, i] = T.cast(QK_DOT[b, h, t0 + f // R, f % R, i], F32)
+            qkd_s[i, f] = T.cast(QK_DOT[b, h, t0 + f // R, f % R, i], F32)
 
     @T.macro
     def value_tiles(b, h, t0, V, MIMO_V, DOUT, Z, MIMO_O, MIMO_Z, psiv_s, dy_s):
         """PsiV = V_t * Psi_r and dy = dL/dy (Phi, SiLU gate) as F x P GEMM operands."""
         for f, p in T.Parallel(F, P):
             psiv_s[f, p] = T.cast(V[b, t0 + f // R, h, p], F32) * MIMO_V[h, f % R, p]
-            dy_s[f, p] = _dy_value(DOUT, Z, MIMO_O, MIMO_Z, b, t0 + f // R, f % R, h, p, shape)
+            dy_s[f, p] = _dy_value(DOUT, Z, MIMO_O, MIMO_Z, b, t0 + f // R, f % R, h, p, shape, fast)
 
     @T.macro
     def dv_dmv(b, h, c, t0, V, MIMO_V, DV, DMV_PART, dpsiv_s):
@@ -435,13 +444,17 @@ def _chunk_macros(shape: dict):
         """From dkq = PsiV dy^T in acc_ff (row s, column t) and k_hat.q_hat (recomputed in lkq_f):
         DSSDA, the masked dkq (w_s), the same-step products pv and their block-diagonal operand wd_s,
         the DD partial and DGAMMA_DIAG."""
+        # two loops: a statement under a condition on the element keeps its whole loop from vectorizing
         for i, j in T.Parallel(F, F):
             prod_s[i, j] = lkq_f[i, j] * acc_ff[i, j]
             w_s[i, j] = acc_ff[i, j] * _seg(seg_s, SEGSUM, b, h, c, j // R, i // R)
-            # same-step block: pv[t, o, i'] = dy_{t,o} . PsiV_{t,i'} = dkq[t*R + i', t*R + o], and its
-            # block-diagonal operand wd[i, j] = gamma_t pv[j, i % R] = gamma_t dkq[i, j], taken from the
-            # register here rather than in a second F x F pass that reads pv_s back
-            wd_s[i, j] = T.if_then_else(i // R == j // R, gam_s[i // R] * acc_ff[i, j], 0.0)
+        for i, j in T.Parallel(F, F):
+            # same-step block: its block-diagonal operand wd[i, j] = gamma_t pv[j, i % R] = gamma_t dkq[i, j]
+            # (a 0 / 1 factor, not a select: a select on the element keeps the store from vectorizing)
+            wd_s[i, j] = T.cast(i // R == j // R, F32) * gam_s[i // R] * acc_ff[i, j]
+        for i, j in T.Parallel(F, F):
+            # pv[t, o, i'] = dy_{t,o} . PsiV_{t,i'} = dkq[t*R + i', t*R + o], from the register rather than
+            # from wd_s read back
             if i // R == j // R:
                 pv_s[j, i % R] = acc_ff[i, j]
         T.clear(cc_f)
@@ -455,7 +468,7 @@ def _chunk_macros(shape: dict):
             for i in T.Parallel(1):
                 DD_PART[b, h, c + i] = _step_sum([pv_s[f, f % R] for f in range(F)])
         for t in T.Parallel(C):
-            DGAMMA_DIAG[b, h, t0 + t] = _step_sum([qkd_s[t * R + o, i] * pv_s[t * R + o, i]
+            DGAMMA_DIAG[b, h, t0 + t] = _step_sum([qkd_s[i, t * R + o] * pv_s[t * R + o, i]
                                                    for o in range(R) for i in range(R)])
 
     @T.macro
@@ -531,7 +544,7 @@ def _chunk_program(config: dict, shape: dict):
     blk = _PAIR_BLOCK
     nb = half // blk
     W = N if paired else half           # width of one column tile
-    m = _chunk_macros(shape)
+    m = _chunk_macros(shape, config["fast_math"])
     sig = _chunk_signature(shape)
 
     def lo_col(k, y):
@@ -684,7 +697,7 @@ def _chunk_program(config: dict, shape: dict):
             seg_s = None if config["global_tables"] else T.alloc_shared((C, C), F32)
             cos_s = None if config["global_tables"] else T.alloc_shared((C, nr), F32)
             sin_s = None if config["global_tables"] else T.alloc_shared((C, nr), F32)
-            qkd_s = T.alloc_shared((F, R), F32)
+            qkd_s = T.alloc_shared((R, F), F32)      # QK_DOT transposed: read along F where the F x F tiles are built
             ang_s = T.alloc_shared((F, nr), F32)
             out_s = T.alloc_shared((F, N), dtype) if config["stage_out"] else None
             T.annotate_layout({buf: tilelang.layout.make_swizzled_layout(buf)
@@ -725,8 +738,9 @@ def _chunk_program(config: dict, shape: dict):
             for i, j in T.Parallel(F, F):
                 acc_ff[i, j] = acc_ff[i, j] * fac_s[i // R]                 # lkq[s, t] = k_hat_s . q_hat_t
             for i, j in T.Parallel(F, F):
-                w_s[i, j] = T.if_then_else(i // R == j // R, gam_s[i // R] * qkd_s[j, i % R],
-                                           acc_ff[i, j] * _seg(seg_s, SEGSUM, b, h, c, j // R, i // R))
+                # _seg is 0 on the same-step block (s < t only), which takes gamma QK_DOT instead
+                w_s[i, j] = acc_ff[i, j] * _seg(seg_s, SEGSUM, b, h, c, j // R, i // R) + \
+                    T.cast(i // R == j // R, F32) * gam_s[i // R] * qkd_s[i % R, j]
             T.gemm(w_s, dy_s, acc_fp)
             if hasD:
                 for f, p in T.Parallel(F, P):
@@ -776,25 +790,23 @@ def _chunk_program(config: dict, shape: dict):
 
 
 def _reduce_program(config: dict, shape: dict):
-    """Grid (H, B): DDA for every step (the scan tiles' partials summed, times exp(DA_CS) at the chunk's
+    """Grid (H, B): DDA for every step (the scan tiles' row sums summed, times exp(DA_CS) at the chunk's
     last step), DMIMO_V and DD summed over the chunks; every output element has its own thread (no
     serial walk over the chunks across elements), deterministic (no atomics)."""
     B, S, H, G, N, P, R, C, nc, nr, F = _dims(shape)
     hasD = shape["hasD"]
-    tiles = _scan_tiles(config, shape)
+    tiles, bn = _scan_tiles(config, shape), config["scan_block_N"]
 
     @T.prim_func
     def reduce(DMV_PART: T.Tensor((B, H, nc, R, P), F32), DD_PART: T.Tensor((B, H, nc), F32),
-               DDA_PART: T.Tensor((B, H, nc, tiles), F32), DA_CS: T.Tensor((B, H, S), F32),
+               DDA_PART: T.Tensor((B, H, tiles, bn, nc), F32), DA_CS: T.Tensor((B, H, S), F32),
                DMIMO_V: T.Tensor((B, H, R, P), F32), DD: T.Tensor((B, H), F32), DDA: T.Tensor((B, H, S), F32)):
         with T.Kernel(H, B, threads=256) as (h, b):
-            dda_f = T.alloc_fragment((nc, C), F32)
-            T.clear(dda_f)
+            dda_s = T.alloc_shared((nc,), F32)
+            for c in T.Parallel(nc):
+                dda_s[c] = _step_sum([DDA_PART[b, h, k // bn, k % bn, c] for k in range(tiles * bn)])
             for c, t in T.Parallel(nc, C):
-                for k in T.unroll(tiles):
-                    dda_f[c, t] = dda_f[c, t] + DDA_PART[b, h, c, k]
-            for c, t in T.Parallel(nc, C):
-                DDA[b, h, c * C + t] = dda_f[c, t] * T.exp(DA_CS[b, h, c * C + C - 1])
+                DDA[b, h, c * C + t] = dda_s[c] * T.exp(DA_CS[b, h, c * C + C - 1])
             acc = T.alloc_fragment((R, P), F32)
             T.clear(acc)
             for r, p in T.Parallel(R, P):
@@ -893,7 +905,8 @@ def build(config: dict, shape: dict):
                         dmv=torch.empty(B, H, nc, R, P, dtype=torch.float32, device=dev),
                         dd=torch.zeros(B, H, nc, dtype=torch.float32, device=dev),
                         dd_out=torch.empty(B, H, dtype=torch.float32, device=dev),
-                        dda=torch.empty(B, H, nc, _scan_tiles(config, shape), dtype=torch.float32, device=dev),
+                        dda=torch.empty(B, H, _scan_tiles(config, shape), config["scan_block_N"], nc,
+                                        dtype=torch.float32, device=dev),
                         carry=torch.empty(B, H, segments, N, P, dtype=torch.float32, device=dev),
                         decay=torch.empty(B, H, segments, dtype=torch.float32, device=dev))
         i, o = inputs, outputs
