@@ -128,11 +128,15 @@ def worker_identity(measures: bool = False) -> dict:
 
 
 def trials(study, states=None) -> list:
-    """The study's trials as stored now. Not ``study.get_trials``: Optuna's trial cache skips a trial
-    of another worker that it first meets after a later-numbered one has finished."""
+    """The study's trials as stored now, in trial-number order. Not ``study.get_trials``: Optuna's trial
+    cache skips a trial of another worker that it first meets after a later-numbered one has finished.
+    Sorted here because the RDB query has no ORDER BY: PostgreSQL returns updated rows in heap order,
+    so two workers picking the first of equally fast trials could pick different ones (and each confirm
+    its own "best": the shared-study test saw it on the loaded CI machine)."""
     storage = study._storage
     storage = getattr(storage, "_backend", storage)  # past optuna's _CachedStorage, to the RDB storage
-    return storage.get_all_trials(storage.get_study_id_from_name(study.study_name), deepcopy=False, states=states)
+    found = storage.get_all_trials(storage.get_study_id_from_name(study.study_name), deepcopy=False, states=states)
+    return sorted(found, key=lambda t: t.number)
 
 
 def _holders(study, key: str, but: int | None = None) -> list:

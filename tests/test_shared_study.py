@@ -341,3 +341,16 @@ def test_racing_workers_claim_a_confirm_exactly_once(storage):
         for t in threads:
             t.join()
         assert len(won) == 1, (round_, won)
+
+
+def test_trials_come_in_trial_number_order_whatever_order_the_storage_returns():
+    """PostgreSQL hands back updated rows in heap order; workers that break ties between equally fast
+    trials by list position must all see the same list (else each confirms a different "best")."""
+    from types import SimpleNamespace
+    stored = [SimpleNamespace(number=n, value=1.0) for n in (3, 0, 2, 1)]
+    storage = SimpleNamespace(get_study_id_from_name=lambda name: 7,
+                              get_all_trials=lambda sid, deepcopy, states: list(stored))
+    study = SimpleNamespace(_storage=storage, study_name="gemm|sim|tiny")
+    got = lab_study.trials(study)
+    assert [t.number for t in got] == [0, 1, 2, 3]
+    assert min(got, key=lambda t: t.value).number == 0
