@@ -582,7 +582,7 @@ class Sweep:
             ok = [t for t in study_mod.trials(s, (optuna.trial.TrialState.COMPLETE,))
                   if t.user_attrs.get("measured") and t.user_attrs.get("status") == "ok"]
             if ok:
-                top = min(ok, key=lambda t: (t.value, t.number))   # ties: the first measured, in every worker
+                top = min(ok, key=lambda t: t.value)   # ties: the lowest trial number (trials() sorts by it)
                 best[lane.dsl] = (lane, json.loads(top.user_attrs["config_key"]), versions, name)
         if len(best) < 2:
             return
