@@ -589,10 +589,10 @@ class Sweep:
         names = sorted(s.study_name for s in studies)
         claims = optuna.create_study(storage=self._storage, load_if_exists=True, study_name=(
             f"{self.req.kernel}|confirm|{shape_name}|{hashlib.sha1('|'.join(names).encode()).hexdigest()[:12]}"))
-        done = {s.study_name: sum(bool(t.user_attrs.get("measured"))
-                                  for t in study_mod.trials(s, (optuna.trial.TrialState.COMPLETE,))) for s in studies}
-        key = json.dumps({"best": sorted((lane.dsl, cfg) for lane, cfg, _, _ in best.values()), "trials": done},
-                         sort_keys=True)
+        # Keyed by the best configs alone, not by how many trials the studies hold: a worker between two
+        # trials holds none RUNNING, so another may confirm before that worker's last trial; with the
+        # trial count in the key, that worker then confirmed the same bests a second time.
+        key = json.dumps({"best": sorted((lane.dsl, cfg) for lane, cfg, _, _ in best.values())}, sort_keys=True)
         beats = study_mod.Heartbeats(self._storage)
         try:
             trial = study_mod.claim_alone(claims, key, beats)
