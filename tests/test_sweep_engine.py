@@ -306,7 +306,9 @@ def test_confirm_retimes_best_configs_against_baseline(lab_env):
     from lab.results import load
     from lab.worker import WorkerRunner
     (lab_env.sweeps / "gemm" / "sim.toml").write_text(
-        '[params]\nMODE = ["ok", "slow"]\nSMEM_KB = [16]\nSPEED = [1, 8]\nESTIMATE_BIAS_KB = [0]\n')
+        # "slow" sleeps 4 or 10 ms a call: far beyond the noise of a loaded 2-core machine (with 0.5 ms it
+        # won once there)
+        '[params]\nMODE = ["ok", "slow"]\nSMEM_KB = [16]\nSPEED = [8, 20]\nESTIMATE_BIAS_KB = [0]\n')
     req = _request(lab_env, trials=4, baseline=True, confirm=True,
                    confirm_timing={"budget_ms": 300.0, "min_time_ms": 5.0, "min_samples": 6})
     sweep.run(req, present_h100(), runner=WorkerRunner("cpu"), out=lambda *_: None)
