@@ -161,15 +161,16 @@ def test_the_value_side_is_exact_at_every_named_shape():
 
 # Every named shape x target is a case (each compiles every config of the space that fits); the
 # default run keeps the four default shapes on sm_121a (GB10) and one case for each term of the model
-# (smem_kernels) that gives a kernel's figure and the others leave out: sm_90a's split wgmma (h100_tuned;
-# one-step N loops at training, with the scan's SCAN_BP = 128 bound), C*R = 32 on sm_90a where the
-# scan's bound tops the estimate, R = 8 on sm_90a and R = 1 on sm_121a (the D * dy conversion, an fp32
-# [F, F] one), one-step N loops at N = 32, unreduced DOUT without Z (gqa). The rest repeat those terms
-# at more shapes (slow).
+# (smem_kernels) that gives a kernel's figure and the others leave out: sm_90a's split wgmma (h100_tuned,
+# with the value side's N loops of two VALUE_BJ = 32 steps; training, with one-step N loops and the
+# scan's SCAN_BP = 128 bound), C*R = 32 on sm_90a (mma.sync key side, where the scan's bound tops the
+# estimate), the scan's R = 8 stage and R = 1 bound, one-step N loops at N = 32 on both targets (the
+# fp32 [F, F] conversion on sm_90a, dy's rounded offset on sm_121a), and no D with unreduced DOUT and
+# no Z (gqa). The rest repeat those terms at more shapes (slow).
 _DEFAULT_CASES = {("h100_tuned", "sm_121a"), ("anchor_b2", "sm_121a"), ("training", "sm_121a"), ("gb10", "sm_121a"),
                   ("h100_tuned", "sm_90a"), ("training", "sm_90a"), ("grid_n128_p128_r4_c8", "sm_90a"),
                   ("grid_n128_p64_r8_c8", "sm_90a"), ("grid_n128_p64_r1_c64", "sm_121a"),
-                  ("grid_n32_p64_r4_c16", "sm_121a"), ("gqa_plain_rd2", "sm_121a")}
+                  ("grid_n32_p64_r4_c16", "sm_90a"), ("grid_n32_p64_r4_c16", "sm_121a"), ("gqa_plain_rd2", "sm_121a")}
 
 
 @pytest.mark.parametrize("shape,target", [

@@ -1,30 +1,51 @@
 """Triton lane for mamba_bwd_bwd (the Mamba-3 MIMO backward kernel "bwd_bwd").
 
-Four kernels (the model and the output definitions are in lab/problems/_mamba3.py):
+Four kernels (the model and the output definitions are in lab/problems/_mamba3.py). F = C*R: the fused
+rows t*R + r of a chunk (step t, rank r).
 
 1. ``_scan``: grid (tiles of dS, H, B). dS_c (N x P, the gradient of the state leaving chunk c) is the
    only serial dependency: dS_{c-1} = exp(DA_CS_last(c)) dS_c + q_hat_c^T (exp(DA_CS) dy_c). A program
    owns SCAN_BJ rotary pairs (rows j and N/2 + j of dS, so that it rotates q without a gather) and
    SCAN_BP columns, walks the chunks last to first with dS in fp32 registers, and writes dS_c in the
-   input dtype (the chunk kernels' GEMM operand).
-2. ``_chunk_k``: grid (nc * N/2 / KEY_BJ, H, B): the key / query side of one chunk on KEY_BJ rotary pairs.
-   It walks P in KEY_BP columns accumulating PsiV dy^T (F x F, F = C*R fused rows t*R + r), PsiV dS^T and
-   dy STATES^T (F x KEY_BJ per rotary half), then writes DQ, DK and DANGLES of its columns and its part of
-   the row sums over N (DDA_CS_REV, DFACTOR, DDA_CS) and of sum(STATES * dS) (DDA) to a workspace.
-   Splitting N across programs is what keeps the state-gradient products in registers: one program
-   per chunk holding all of N spills thousands of bytes per thread (sm_90a ptxas, 255 registers).
-   It also writes q_hat and k_hat (its columns, input dtype) to a workspace [B, H, nc, C*R, N] for (3):
-   2 B H S R N elements, 512 MiB in bf16 at the training shape.
-3. ``_chunk_v``: grid (nc, H, B): the value side. k_hat q_hat^T over all of N, then P in BLOCK_P
-   columns: dPsiV (DV, the DMIMO_V and DD partials) and PsiV dy^T, reading q_hat and k_hat as the key
-   side wrote them (no rotary recomputed per P step); then DSSDA, DGAMMA_DIAG, and the
-   sums of the key side's workspace (DDA, DDA_CS, DDA_CS_REV, DFACTOR). The same-step R x R terms (QK_DOT
-   into dPsiV, dqk into DK and DQ) are block-diagonal F x F operands of tensor-core products.
+   input dtype (the chunk kernels' GEMM operand). The programs of the first column tile also write,
+   in a loop of their own before the scan's, the cos / sin of the angles (fp32, [B, S, H, N/rd] each)
+   for (2), which so has no transcendental range reduction (libdevice's sinf / cosf keep a 28-byte
+   local array for it).
+2. ``_chunk_k``: grid (nc * N/2 / KEY_BJ, H, B): the key / query side of one chunk on KEY_BJ rotary
+   pairs. Its P loop (KEY_BP columns a step) accumulates, fp32 in registers, PsiV dy^T (F x F), PsiV dS^T
+   and dy STATES^T (F x KEY_BJ per rotary half) and the chunk's sums of STATES * dS (DDA) and
+   dy * PsiV (DD, written by the program of the first pair block). After it, one value at a time:
+   the F x F GEMM operands (dkq_m = PsiV dy^T exp(SEGSUM) off the diagonal blocks, dqk_t = gamma PsiV dy^T
+   on them, input dtype, staged in shared memory); q, k of its pairs rotated with the scan's cos / sin,
+   q_hat and k_hat written to a workspace [B, H, nc, F, N] (input dtype, 2 B H S R N elements) for (3);
+   the row sums of its pairs (DDA_CS_REV, DDA_CS, DFACTOR) to a workspace; the key path (dk_hat, DK);
+   then the query path (dq_hat, DANGLES, DQ), whose F x F operands are the transposes of the staged
+   key-path ones. The same-step products are taken in the rotated frame (a step's rows share one
+   angle, so dqk_t q = rot^T(dqk_t q_hat)), and the angle gradient is g_hi x_lo - g_lo x_hi in the
+   rotated x: DK and DQ take one inverse rotation each and no unrotated q or k stays live. Splitting N
+   across programs keeps the state-gradient products in registers; every program of a chunk repeats
+   the F x F product of the P loop.
+3. ``_chunk_v``: grid (nc, H, B): the value side. k_hat q_hat^T over all of N (VALUE_BJ pairs a step,
+   both rotary halves in one product), merged with the same-step QK_DOT terms into one F x F operand
+   (disjoint supports: exp(SEGSUM) is zero on the diagonal blocks); then P in BLOCK_P columns: k_hat dS
+   (the same N steps, k_hat read again from L1 / L2), dPsiV, DV and the DMIMO_V partial (the D term
+   reduced apart in dy's layout and added to both), PsiV dy^T; then k_hat q_hat^T again for DSSDA
+   (read again rather than held in registers across the P loop), DGAMMA_DIAG, DDA and the sums of the
+   key side's row-sum workspace (DDA_CS_REV, DFACTOR, DDA_CS).
 4. ``_reduce``: grid (H, B): DMIMO_V and DD summed over chunks (deterministic, no atomics).
 
 Every F x N operand is held as its two rotary halves, so rotary, its transpose and the angle gradient
 are elementwise between the halves. GEMM operands are in the input dtype (bf16 / fp16) with fp32
 accumulation, as upstream; the elementwise math and every partial are fp32.
+
+Registers. A value built elementwise that becomes a GEMM operand (PsiV, dy, q_hat, the rotated k, the
+F x F operands) passes through ``_fence`` first: Triton then computes it once, in the layout of its
+inputs, and moves it to the operand's layout through shared memory, instead of recomputing it in the
+operand's layout, which replicates it across warps (dy as mma.sync's B operand: 64 elements a thread
+per step instead of 8). A value also used elementwise in another layout is fenced only on its operand
+path (the layout pass would clone the fence with the rest of the chain). With these, the key and
+value sides use no local memory (no spills, no stack) at the named shapes for the sweep file's seeds
+on sm_90a and sm_121a.
 
 Tunables:
   SCAN_BJ, SCAN_BP      dS tile of one scan program: 2 * SCAN_BJ rows (SCAN_BJ rotary pairs) x SCAN_BP
@@ -32,7 +53,7 @@ Tunables:
   KEY_BJ, KEY_BP        rotary pairs per key-side program, and P columns per step of its P loop
   key_warps             the key-side kernel's num_warps
   VALUE_BJ, BLOCK_P     rotary pairs per step of the value side's N loops (k_hat q_hat^T, and k_hat dS
-                        recomputing k_hat per P step), and P columns per step of its P loop
+                        reading k_hat again per P step), and P columns per step of its P loop
   chunk_warps           the value-side kernel's num_warps
   chunk_stages          num_stages of both chunk kernels' P loops
 """
@@ -126,7 +147,7 @@ def _rot(lo, hi, cos, sin):
 def _scan(Q, QB, ANG, DA, DOUT, PHI, Z, ZETA, DS, S, H, G, NC,
           N: tl.constexpr, P: tl.constexpr, R: tl.constexpr, C: tl.constexpr, NR: tl.constexpr,
           BJ: tl.constexpr, BP: tl.constexpr, HAS_Z: tl.constexpr, REDUCE_O: tl.constexpr,
-          STAGES: tl.constexpr):
+          STAGES: tl.constexpr, COS=None, SIN=None):
     F: tl.constexpr = C * R
     NH: tl.constexpr = N // 2
     NPB: tl.constexpr = P // BP
@@ -140,6 +161,16 @@ def _scan(Q, QB, ANG, DA, DOUT, PHI, Z, ZETA, DS, S, H, G, NC,
     dt = Q.dtype.element_ty
     bq_lo = tl.load(QB + (h * R + r[:, None]) * N + jj[None, :])
     bq_hi = tl.load(QB + (h * R + r[:, None]) * N + NH + jj[None, :])
+    if COS is not None:
+        if p0 == 0:
+            # The key side's cos / sin of these pairs, [C, BJ] per chunk, from the pair block's first
+            # column tile: a loop of its own, so that the scan's loop keeps its registers.
+            tc = tl.arange(0, C)
+            for c in tl.range(0, NC):
+                at = ((b * S + c * C + tc[:, None]) * H + h) * NR + jj[None, :]
+                ang = tl.load(ANG + at, mask=jj[None, :] < NR, other=0.0)
+                tl.store(COS + at, tl.cos(ang), mask=jj[None, :] < NR)
+                tl.store(SIN + at, tl.sin(ang), mask=jj[None, :] < NR)
     run_lo = tl.zeros((BJ, BP), dtype=tl.float32)
     run_hi = tl.zeros((BJ, BP), dtype=tl.float32)
     for i in tl.range(0, NC, num_stages=STAGES):
@@ -149,7 +180,8 @@ def _scan(Q, QB, ANG, DA, DOUT, PHI, Z, ZETA, DS, S, H, G, NC,
         q_lo = tl.load(Q + (row[:, None] * G + g) * N + jj[None, :]).to(tl.float32) + bq_lo
         q_hi = tl.load(Q + (row[:, None] * G + g) * N + NH + jj[None, :]).to(tl.float32) + bq_hi
         ang = tl.load(ANG + ((b * S + s[:, None]) * H + h) * NR + jj[None, :], mask=jj[None, :] < NR, other=0.0)
-        qh_lo, qh_hi = _rot(q_lo, q_hi, tl.cos(ang), tl.sin(ang))
+        cos, sin = tl.cos(ang), tl.sin(ang)
+        qh_lo, qh_hi = _rot(q_lo, q_hi, cos, sin)
         ea = tl.exp(tl.load(DA + (b * H + h) * S + s))
         dye = (_dy_tile(DOUT, PHI, Z, ZETA, b, h, c, pp, S, H, R, C, P, BP, HAS_Z, REDUCE_O) * ea[:, None]).to(dt)
         a_last = tl.exp(tl.load(DA + (b * H + h) * S + c * C + C - 1))
@@ -186,28 +218,27 @@ def _decay(SEG, bh, c, t, NC, C: tl.constexpr, R: tl.constexpr, F: tl.constexpr)
 
 
 @triton.jit
-def _qk_rot(Q, K, QB, KB, ANG, b, h, g, r, s, row, jj, S, H, G, N: tl.constexpr, R: tl.constexpr,
-            NR: tl.constexpr):
-    """Biased q, k (fp32) on the rotary pairs jj (columns jj and N/2 + jj) and their cos, sin."""
-    NH: tl.constexpr = N // 2
-    ang = tl.load(ANG + ((b * S + s[:, None]) * H + h) * NR + jj[None, :], mask=jj[None, :] < NR, other=0.0)
-    src = (row[:, None] * G + g) * N + jj[None, :]
-    bias = (h * R + r[:, None]) * N + jj[None, :]
-    q_lo = tl.load(Q + src).to(tl.float32) + tl.load(QB + bias)
-    q_hi = tl.load(Q + src + NH).to(tl.float32) + tl.load(QB + bias + NH)
-    k_lo = tl.load(K + src).to(tl.float32) + tl.load(KB + bias)
-    k_hi = tl.load(K + src + NH).to(tl.float32) + tl.load(KB + bias + NH)
-    return q_lo, q_hi, k_lo, k_hi, tl.cos(ang), tl.sin(ang)
+def _fence(x, FENCE: tl.constexpr):
+    """x (fp32) unchanged. Compiled, it passes through a register move marked as having side effects,
+    which the hoisting of GEMM-operand layout conversions does not cross: x is computed once, in the
+    layout of its inputs, and reaches the operand's layout through shared memory instead of being
+    recomputed in that layout (replicated across warps). For values whose other consumers share that
+    layout only: where one wants another layout, the layout pass clones the chain with this move,
+    and the clone cannot be removed. The interpreter has no inline assembly: there it is the identity."""
+    if FENCE:
+        x = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=False, pack=1)
+    return x
 
 
 @triton.jit
-def _chunk_k(Q, K, QB, KB, V, PSI, ANG, DA, DAR, DT, TRAP, SEG, DOUT, PHI, Z, ZETA, STATES, DS,
-             DQ, DK, DANG, ROW_WS, DDA_WS, QH, KH, S, H, G, NC,
+def _chunk_k(Q, K, QB, KB, V, PSI, COS, SIN, DA, DAR, DT, TRAP, SEG, DOUT, PHI, Z, ZETA, STATES, DS,
+             DQ, DK, DANG, ROW_WS, DDA_WS, DD_WS, QH, KH, S, H, G, NC,
              N: tl.constexpr, P: tl.constexpr, R: tl.constexpr, C: tl.constexpr, NR: tl.constexpr,
-             BJ: tl.constexpr, BP: tl.constexpr, HAS_Z: tl.constexpr, REDUCE_O: tl.constexpr,
-             STAGES: tl.constexpr):
-    """Key / query side of one chunk on BJ rotary pairs: DQ, DK, DANGLES of those columns, and the
-    pairs' parts of DDA_CS_REV, DFACTOR, DDA_CS (row sums over N) and of sum(STATES * dS) (DDA)."""
+             BJ: tl.constexpr, BP: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr, REDUCE_O: tl.constexpr,
+             STAGES: tl.constexpr, FENCE: tl.constexpr):
+    """Key / query side of one chunk on BJ rotary pairs: DQ, DK, DANGLES of those columns, q_hat and
+    k_hat of them for the value side, the pairs' parts of DDA_CS_REV, DFACTOR, DDA_CS (row sums over N)
+    and of sum(STATES * dS) (DDA), and (first pair block) the chunk's sum(dy * PsiV) (DD)."""
     F: tl.constexpr = C * R
     NH: tl.constexpr = N // 2
     NBJ: tl.constexpr = NH // BJ
@@ -227,10 +258,14 @@ def _chunk_k(Q, K, QB, KB, V, PSI, ANG, DA, DAR, DT, TRAP, SEG, DOUT, PHI, Z, ZE
     dqs_lo = tl.zeros((F, BJ), dtype=tl.float32)        # dy STATES^T
     dqs_hi = tl.zeros((F, BJ), dtype=tl.float32)
     dda = 0.0
+    dd = 0.0
     for p0 in tl.range(0, P, BP, num_stages=STAGES):
         pp = p0 + tl.arange(0, BP)
-        psiv16 = _fuse(_step_tile(V, b, h, c, pp, S, H, C, P), _rank_tile(PSI, h, pp, R, P), C, R, BP).to(dt)
-        dy16 = _dy_tile(DOUT, PHI, Z, ZETA, b, h, c, pp, S, H, R, C, P, BP, HAS_Z, REDUCE_O).to(dt)
+        psiv = _fence(_fuse(_step_tile(V, b, h, c, pp, S, H, C, P), _rank_tile(PSI, h, pp, R, P), C, R, BP), FENCE)
+        dy = _fence(_dy_tile(DOUT, PHI, Z, ZETA, b, h, c, pp, S, H, R, C, P, BP, HAS_Z, REDUCE_O), FENCE)
+        if HAS_D:
+            dd += tl.sum(tl.sum(psiv * dy, 1), 0)
+        psiv16, dy16 = psiv.to(dt), dy.to(dt)
         cell = (bh * NC + c) * N * P + jj[:, None] * P + pp[None, :]
         ds_lo, ds_hi = tl.load(DS + cell), tl.load(DS + cell + NH * P)
         st_lo, st_hi = tl.load(STATES + cell), tl.load(STATES + cell + NH * P)
@@ -243,65 +278,91 @@ def _chunk_k(Q, K, QB, KB, V, PSI, ANG, DA, DAR, DT, TRAP, SEG, DOUT, PHI, Z, ZE
         dqs_hi += tl.dot(dy16, tl.trans(st_hi.to(dt)))
     a_last = tl.exp(tl.load(DA + bh * S + c * C + C - 1))
     tl.store(DDA_WS + (bh * NC + c) * NBJ + jb, a_last * dda)
+    if HAS_D:
+        tl.store(DD_WS + bh * NC + c, dd, mask=jb == 0)
 
-    # Everything below the P loop is loaded after it (fewer registers live across it), and the F x F
-    # operands go to the input dtype as soon as they are formed.
     gamma, factor, er = _gates(DT, TRAP, DAR, bh, s, S)
     decay, same = _decay(SEG, bh, c, t, NC, C, R, F)
-    dqk = tl.where(same, tl.trans(dkq) * gamma[:, None], 0.0).to(dt)   # same-step dL/d(q_{t,o} . k_{t,i})
-    dkq_m = (dkq * decay).to(dt)
-    q_lo, q_hi, k_lo, k_hi, cos, sin = _qk_rot(Q, K, QB, KB, ANG, b, h, g, r, s, row, jj, S, H, G, N, R, NR)
+    # The F x F operands, input dtype: dkq_m [F(s), F(t)]; dqk_t = dL/d(q_t,o . k_t,i) at [(t, i), (t, o)].
+    dkq_m = _fence(dkq * decay, FENCE).to(dt)
+    dqk_t = _fence(tl.where(same, dkq * gamma[:, None], 0.0), FENCE).to(dt)
+
+    # Biased q, k on this program's pairs, rotated with the scan's cos / sin (1, 0 beyond N / rd).
+    src = (row[:, None] * G + g) * N + jj[None, :]
+    bias = (h * R + r[:, None]) * N + jj[None, :]
+    at = ((b * S + s[:, None]) * H + h) * NR + jj[None, :]
+    cos = tl.load(COS + at, mask=jj[None, :] < NR, other=1.0)
+    sin = tl.load(SIN + at, mask=jj[None, :] < NR, other=0.0)
+    q_lo = tl.load(Q + src).to(tl.float32) + tl.load(QB + bias)
+    q_hi = tl.load(Q + src + NH).to(tl.float32) + tl.load(QB + bias + NH)
     qh_lo, qh_hi = _rot(q_lo, q_hi, cos, sin)
+    k_lo = tl.load(K + src).to(tl.float32) + tl.load(KB + bias)
+    k_hi = tl.load(K + src + NH).to(tl.float32) + tl.load(KB + bias + NH)
     kr_lo, kr_hi = _rot(k_lo, k_hi, cos, sin)
+    qh_lo, qh_hi, kr_lo, kr_hi = _fence(qh_lo, FENCE), _fence(qh_hi, FENCE), _fence(kr_lo, FENCE), _fence(kr_hi, FENCE)
     kh_lo, kh_hi = (kr_lo * factor[:, None]).to(dt), (kr_hi * factor[:, None]).to(dt)
+    qh16_lo, qh16_hi = qh_lo.to(dt), qh_hi.to(dt)
     hb = ((bh * NC + c) * F + f[:, None]) * N + jj[None, :]
     tl.store(KH + hb, kh_lo)
     tl.store(KH + hb + NH, kh_hi)
-    tl.store(QH + hb, qh_lo.to(dt))
-    tl.store(QH + hb + NH, qh_hi.to(dt))
-
-    # Row sums over this program's pairs, [3, C] per (chunk, pair block): DDA_CS_REV, DFACTOR, DDA_CS.
+    tl.store(QH + hb, qh16_lo)
+    tl.store(QH + hb + NH, qh16_hi)
     ws = ROW_WS + ((bh * NC + c) * NBJ + jb) * 3 * C + tl.arange(0, C)
     tl.store(ws, _group(tl.sum(kh_lo.to(tl.float32) * dks_lo + kh_hi.to(tl.float32) * dks_hi, 1), C, R))
-    dkh_lo = er[:, None] * dks_lo + tl.dot(dkq_m, qh_lo.to(dt))
-    dkh_hi = er[:, None] * dks_hi + tl.dot(dkq_m, qh_hi.to(dt))
+    tl.store(ws + 2 * C, _group(tl.sum(qh_lo * dqs_lo + qh_hi * dqs_hi, 1), C, R))
+
+    # Key path. Same-step products in the rotated frame: the block-diagonal dqk_t mixes rows of one
+    # step only, which share their angle, so dqk_t q = rot^T(dqk_t q_hat). A product added to a value
+    # that came from another product is subtracted with a negated operand (exact) instead: Triton folds
+    # x + dot(a, b) into the product's accumulator, and a product feeding another one gets all warps
+    # along its rows (each warpgroup then computes the whole F x KEY_BJ tile).
+    dkh_lo = er[:, None] * dks_lo + tl.dot(dkq_m, qh16_lo)
+    dkh_hi = er[:, None] * dks_hi + tl.dot(dkq_m, qh16_hi)
     tl.store(ws + C, _group(tl.sum(kr_lo * dkh_lo + kr_hi * dkh_hi, 1), C, R))
     dkr_lo, dkr_hi = dkh_lo * factor[:, None], dkh_hi * factor[:, None]
-    tl.store(ws + 2 * C, _group(tl.sum(qh_lo * dqs_lo + qh_hi * dqs_hi, 1), C, R))
-    ea = tl.exp(tl.load(DA + bh * S + s))
-    dkq_mt = tl.trans(dkq_m)
-    dqh_lo = ea[:, None] * dqs_lo + tl.dot(dkq_mt, kh_lo)
-    dqh_hi = ea[:, None] * dqs_hi + tl.dot(dkq_mt, kh_hi)
+    dang = dkr_hi * kr_lo - dkr_lo * kr_hi
+    gk_lo = dkr_lo - tl.dot(dqk_t, -qh16_lo)
+    gk_hi = dkr_hi - tl.dot(dqk_t, -qh16_hi)
+    out = (row[:, None] * H + h) * N + jj[None, :]
+    tl.store(DK + out, (gk_lo * cos + gk_hi * sin).to(dt))
+    tl.store(DK + out + NH, (gk_hi * cos - gk_lo * sin).to(dt))
 
-    # Angle gradient: g0 (-x0 sin - x1 cos) + g1 (x0 cos - x1 sin) per pair, k and q paths, summed over R.
-    dang = dkr_lo * (-k_lo * sin - k_hi * cos) + dkr_hi * (k_lo * cos - k_hi * sin) + \
-        dqh_lo * (-q_lo * sin - q_hi * cos) + dqh_hi * (q_lo * cos - q_hi * sin)
+    # Query path.
+    ea = tl.exp(tl.load(DA + bh * S + s))
+    dqh_lo = ea[:, None] * dqs_lo - tl.dot(tl.trans(dkq_m), -kh_lo)
+    dqh_hi = ea[:, None] * dqs_hi - tl.dot(tl.trans(dkq_m), -kh_hi)
+    dang += dqh_hi * qh_lo - dqh_lo * qh_hi
     dang = tl.sum(tl.reshape(dang, (C, R, BJ)), 1)
     tc = tl.arange(0, C)
     tl.store(DANG + ((b * S + c * C + tc[:, None]) * H + h) * NR + jj[None, :], dang, mask=jj[None, :] < NR)
+    gq_lo = dqh_lo - tl.dot(tl.trans(dqk_t), (-kr_lo).to(dt))
+    gq_hi = dqh_hi - tl.dot(tl.trans(dqk_t), (-kr_hi).to(dt))
+    tl.store(DQ + out, (gq_lo * cos + gq_hi * sin).to(dt))
+    tl.store(DQ + out + NH, (gq_hi * cos - gq_lo * sin).to(dt))
 
-    # DK, DQ: rotary transpose plus the same-step products with the unrotated biased q, k.
-    dqk_t = tl.trans(dqk)
-    dk_lo = dkr_lo * cos + dkr_hi * sin + tl.dot(dqk_t, q_lo.to(dt))
-    dk_hi = -dkr_lo * sin + dkr_hi * cos + tl.dot(dqk_t, q_hi.to(dt))
-    dq_lo = dqh_lo * cos + dqh_hi * sin + tl.dot(dqk, k_lo.to(dt))
-    dq_hi = -dqh_lo * sin + dqh_hi * cos + tl.dot(dqk, k_hi.to(dt))
-    out = (row[:, None] * H + h) * N + jj[None, :]
-    tl.store(DK + out, dk_lo.to(dt))
-    tl.store(DK + out + NH, dk_hi.to(dt))
-    tl.store(DQ + out, dq_lo.to(dt))
-    tl.store(DQ + out + NH, dq_hi.to(dt))
+
+@triton.jit
+def _lkq(QH, KH, hrow, N: tl.constexpr, F: tl.constexpr, BJ: tl.constexpr):
+    """k_hat_s . q_hat_t over all of N [F(s), F(t)] (fp32), BJ rotary pairs at a time."""
+    NH: tl.constexpr = N // 2
+    lkq = tl.zeros((F, F), dtype=tl.float32)
+    m = tl.arange(0, 2 * BJ)
+    col = (m // BJ) * NH + m % BJ
+    for j0 in tl.range(0, NH, BJ):
+        hb = hrow + j0 + col[None, :]
+        lkq += tl.dot(tl.load(KH + hb), tl.trans(tl.load(QH + hb)))
+    return lkq
 
 
 @triton.jit
 def _chunk_v(QH, KH, V, PSI, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, ZETA, DPARAM, DS,
-             ROW_WS, DDA_WS, DV, DFACTOR, DGAMMA, DDA, DDA_CS, DDA_CS_REV, DSSDA, DPSI_WS, DD_WS,
+             ROW_WS, DDA_WS, DV, DFACTOR, DGAMMA, DDA, DDA_CS, DDA_CS_REV, DSSDA, DPSI_WS,
              S, H, G, NC,
              N: tl.constexpr, P: tl.constexpr, R: tl.constexpr, C: tl.constexpr, NR: tl.constexpr,
              BJ: tl.constexpr, BP: tl.constexpr, NBJ: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
-             REDUCE_O: tl.constexpr, STAGES: tl.constexpr):
-    """Value side of one chunk: k_hat q_hat^T over all of N, then P in BP columns: dPsiV (DV, the
-    DMIMO_V and DD partials) and PsiV dy^T; then DSSDA, DGAMMA_DIAG, DDA and the key side's row sums."""
+             REDUCE_O: tl.constexpr, STAGES: tl.constexpr, FENCE: tl.constexpr):
+    """Value side of one chunk: k_hat q_hat^T over all of N, then P in BP columns: dPsiV (DV and the
+    DMIMO_V partial) and PsiV dy^T; then DSSDA, DGAMMA_DIAG, DDA and the key side's row sums."""
     F: tl.constexpr = C * R
     NH: tl.constexpr = N // 2
     c, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -311,20 +372,17 @@ def _chunk_v(QH, KH, V, PSI, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, ZETA, DPARAM
     s = c * C + t
     bh = b * H + h
     hrow = ((bh * NC + c) * F + f[:, None]) * N
+    # Same-step q.k products (biased, before rotary), QKD[(t, o), (t, i)], read at [(t, i), (t, o)].
+    qkd_at = QKD + ((bh * S + c * C + t[:, None]) * R + (f % R)[None, :]) * R + r[:, None]
+    lkq = _lkq(QH, KH, hrow, N, F, BJ)
     gamma, factor, er = _gates(DT, TRAP, DAR, bh, s, S)
     decay, same = _decay(SEG, bh, c, t, NC, C, R, F)
-    # Same-step q.k products (biased, before rotary): QKD[(t, o), (t, i)] on the diagonal blocks.
-    qkd_at = QKD + ((bh * S + c * C + t[:, None]) * R + r[:, None]) * R + (tl.arange(0, F) % R)[None, :]
-    diag_t = tl.trans(tl.load(qkd_at, mask=same, other=0.0).to(tl.float32) * gamma[:, None]).to(dt)
-    lkq = tl.zeros((F, F), dtype=tl.float32)           # k_hat_s . q_hat_t, over N in BJ pairs at a time
-    for j0 in tl.range(0, NH, BJ):
-        hb = hrow + j0 + tl.arange(0, BJ)[None, :]
-        lkq += tl.dot(tl.load(KH + hb), tl.trans(tl.load(QH + hb)))
-        lkq += tl.dot(tl.load(KH + hb + NH), tl.trans(tl.load(QH + hb + NH)))
-    lkq_m = (lkq * decay).to(dt)
+    # dPsiV's operand against dy: exp(SEGSUM) k_hat.q_hat below the diagonal blocks, gamma q.k on them
+    # (disjoint supports, so one operand holds both).
+    qkd = tl.load(qkd_at, mask=same, other=0.0).to(tl.float32)
+    a_v = _fence(tl.where(same, qkd * gamma[:, None], lkq * decay), FENCE).to(dt)
 
     dkq = tl.zeros((F, F), dtype=tl.float32)            # PsiV_s . dy_t
-    dd = 0.0
     if HAS_D:
         dpar = tl.load(DPARAM + h)
     tc = tl.arange(0, C)
@@ -334,33 +392,34 @@ def _chunk_v(QH, KH, V, PSI, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, ZETA, DPARAM
         psi = _rank_tile(PSI, h, pp, R, P)
         psiv = _fuse(v, psi, C, R, BP)
         dy = _dy_tile(DOUT, PHI, Z, ZETA, b, h, c, pp, S, H, R, C, P, BP, HAS_Z, REDUCE_O)
+        dy = _fence(dy, FENCE)
         dy16 = dy.to(dt)
-        # k_hat dS_c over N, k_hat recomputed BJ pairs at a time (keeping it costs registers that spill).
+        # k_hat dS_c over N, BJ pairs (both rotary halves, one product) a step, k_hat read again.
         khds = tl.zeros((F, BP), dtype=tl.float32)
+        m = tl.arange(0, 2 * BJ)
+        col = (m // BJ) * NH + m % BJ
         for j0 in tl.range(0, NH, BJ):
-            jj = j0 + tl.arange(0, BJ)
-            hb = hrow + jj[None, :]
+            jj = j0 + col
             cell = (bh * NC + c) * N * P + jj[:, None] * P + pp[None, :]
-            khds += tl.dot(tl.load(KH + hb), tl.load(DS + cell))
-            khds += tl.dot(tl.load(KH + hb + NH), tl.load(DS + cell + NH * P))
-        dpsiv = er[:, None] * khds + tl.dot(lkq_m, dy16) + tl.dot(diag_t, dy16)
-        if HAS_D:
-            dpsiv += dpar * dy
-            dd += tl.sum(tl.sum(dy * psiv, 1), 0)
+            khds += tl.dot(tl.load(KH + hrow + jj[None, :]), tl.load(DS + cell))
+        dpsiv = er[:, None] * khds + tl.dot(a_v, dy16)
         dv = tl.sum(tl.reshape(dpsiv, (C, R, BP)) * psi[None, :, :], 1)
-        tl.store(DV + ((b * S + c * C + tc[:, None]) * H + h) * P + pp[None, :], dv.to(dt))
         dpsi = tl.sum(tl.reshape(dpsiv, (C, R, BP)) * v[:, None, :], 0)
+        if HAS_D:   # the D term, reduced in dy's layout (dy feeds no other one) and added after
+            dyd = tl.reshape(dpar * dy, (C, R, BP))
+            dv += tl.sum(dyd * psi[None, :, :], 1)
+            dpsi += tl.sum(dyd * v[:, None, :], 0)
+        tl.store(DV + ((b * S + c * C + tc[:, None]) * H + h) * P + pp[None, :], dv.to(dt))
         ra = tl.arange(0, R)
         tl.store(DPSI_WS + ((bh * NC + c) * R + ra[:, None]) * P + pp[None, :], dpsi)
-        dkq += tl.dot(psiv.to(dt), tl.trans(dy16))
-    if HAS_D:
-        tl.store(DD_WS + bh * NC + c, dd)
+        dkq += tl.dot(_fence(psiv, FENCE).to(dt), tl.trans(dy16))
 
     per_step = bh * S + c * C + tc
-    ssda = tl.sum(tl.sum(tl.reshape(lkq * dkq, (C, R, C, R)), 3), 1)
+    # k_hat q_hat^T again (L2-resident reads) rather than kept live in registers across the P loop.
+    ssda = tl.sum(tl.sum(tl.reshape(_lkq(QH, KH, hrow, N, F, BJ) * dkq, (C, R, C, R)), 3), 1)
     tl.store(DSSDA + (bh * NC + c) * C * C + tc[:, None] * C + tc[None, :], ssda)
     qkd = tl.load(qkd_at, mask=same, other=0.0).to(tl.float32)
-    tl.store(DGAMMA + per_step, _group(tl.sum(qkd * tl.trans(dkq), 1), C, R))
+    tl.store(DGAMMA + per_step, _group(tl.sum(qkd * dkq, 1), C, R))
     # DDA on every step of the chunk, and the row sums over the key side's pair blocks.
     nb = tl.arange(0, NBJ)
     tl.store(DDA + per_step, tl.zeros((C,), dtype=tl.float32) + tl.sum(tl.load(DDA_WS + (bh * NC + c) * NBJ + nb), 0))
@@ -403,13 +462,15 @@ def _key_blocks(config: dict, shape: dict) -> int:
     return shape["N"] // 2 // config["KEY_BJ"]
 
 
-def _kernel_consts(config: dict, shape: dict) -> dict:
-    """Compile-time arguments of each kernel (beyond the shape's), keyed by kernel."""
+def _kernel_consts(config: dict, shape: dict, fence: bool = True) -> dict:
+    """Compile-time arguments of each kernel (beyond the shape's), keyed by kernel. fence: _fence's
+    register move is emitted (False only under the interpreter, which has no inline assembly)."""
     k, has_d = _consts(config, shape), bool(shape["hasD"])
     return {"scan": {**k, "BJ": config["SCAN_BJ"], "BP": config["SCAN_BP"], "STAGES": config["scan_stages"]},
-            "key": {**k, "BJ": config["KEY_BJ"], "BP": config["KEY_BP"], "STAGES": config["chunk_stages"]},
+            "key": {**k, "BJ": config["KEY_BJ"], "BP": config["KEY_BP"], "HAS_D": has_d,
+                    "STAGES": config["chunk_stages"], "FENCE": fence},
             "value": {**k, "BJ": config["VALUE_BJ"], "BP": config["BLOCK_P"], "NBJ": _key_blocks(config, shape), "HAS_D": has_d,
-                      "STAGES": config["chunk_stages"]},
+                      "STAGES": config["chunk_stages"], "FENCE": fence},
             "reduce": {"R": shape["R"], "P": shape["P"], "HAS_D": has_d}}
 
 
@@ -423,7 +484,7 @@ def build(config: dict, shape: dict):
     if why:
         raise ValueError(why)
     B, S, H, G, N, P, R, C, nc, nr = m3.dims(shape)
-    kc, warps = _kernel_consts(config, shape), _warps(config)
+    kc, warps = _kernel_consts(config, shape, fence=not _common.interpreting()), _warps(config)
     tiles, nbj = _scan_tiles(config, shape), _key_blocks(config, shape)
     work: dict = {}
 
@@ -436,6 +497,7 @@ def build(config: dict, shape: dict):
                         dda=torch.empty(B, H, nc, nbj, **f32), rows=torch.empty(B, H, nc, nbj, 3, C, **f32),
                         dpsi=torch.empty(B, H, nc, R, P, **f32), dd=torch.empty(B, H, nc, **f32),
                         qh=torch.empty(B, H, nc, C * R, N, dtype=i["Q"].dtype, device=dev),
+                        cos=torch.empty(B, S, H, nr, **f32), sin=torch.empty(B, S, H, nr, **f32),
                         kh=torch.empty(B, H, nc, C * R, N, dtype=i["Q"].dtype, device=dev))
         w = work
         dummy = i["Q"]
@@ -443,25 +505,27 @@ def build(config: dict, shape: dict):
         dpar = i["D"] if shape["hasD"] else i["MIMO_V"]
         dd_out = o["DD"] if shape["hasD"] else w["dd"]
         _scan[(tiles, H, B)](i["Q"], i["Q_BIAS"], i["ANGLES"], i["DA_CS"], i["DOUT"], i["MIMO_O"], z, zeta,
-                             w["ds"], S, H, G, nc, num_warps=warps["scan"], **kc["scan"])
+                             w["ds"], S, H, G, nc, COS=w["cos"], SIN=w["sin"], num_warps=warps["scan"], **kc["scan"])
         _chunk_k[(nc * nbj, H, B)](
-            i["Q"], i["K"], i["Q_BIAS"], i["K_BIAS"], i["V"], i["MIMO_V"], i["ANGLES"], i["DA_CS"], i["DA_CS_REV"],
+            i["Q"], i["K"], i["Q_BIAS"], i["K_BIAS"], i["V"], i["MIMO_V"], w["cos"], w["sin"], i["DA_CS"],
+            i["DA_CS_REV"],
             i["DT"], i["TRAP"], i["SEGSUM"], i["DOUT"], i["MIMO_O"], z, zeta, i["STATES"], w["ds"],
-            o["DQ"], o["DK"], o["DANGLES"], w["rows"], w["dda"], w["qh"], w["kh"], S, H, G, nc,
+            o["DQ"], o["DK"], o["DANGLES"], w["rows"], w["dda"], w["dd"], w["qh"], w["kh"], S, H, G, nc,
             num_warps=warps["key"], **kc["key"])
         kern = _chunk_v[(nc, H, B)](
             w["qh"], w["kh"], i["V"], i["MIMO_V"], i["DA_CS_REV"],
             i["DT"], i["TRAP"], i["QK_DOT"], i["SEGSUM"], i["DOUT"], i["MIMO_O"], z, zeta, dpar, w["ds"],
             w["rows"], w["dda"], o["DV"], o["DFACTOR"], o["DGAMMA_DIAG"], o["DDA"], o["DDA_CS"], o["DDA_CS_REV"],
-            o["DSSDA"], w["dpsi"], w["dd"], S, H, G, nc, num_warps=warps["value"], **kc["value"])
+            o["DSSDA"], w["dpsi"], S, H, G, nc, num_warps=warps["value"], **kc["value"])
         _reduce[(H, B)](w["dpsi"], w["dd"], o["DMIMO_V"], dd_out, H, nc, num_warps=warps["reduce"], **kc["reduce"])
         return _common.launch_info(kern)
     return run
 
 
-def _value_modelled(shape: dict) -> bool:
-    """Shapes where smem_kernels' value-side figure is the compiler's (C*R probed: 32 and 64)."""
-    return shape["C"] * shape["R"] in (32, 64)
+def _value_modelled(config: dict, shape: dict) -> bool:
+    """Where smem_kernels' value-side figure is the compiler's: C*R probed (32 and 64), several P steps."""
+    c = {**DEFAULTS, **config}
+    return shape["C"] * shape["R"] in (32, 64) and c["BLOCK_P"] < shape["P"]
 
 
 def smem_kernels(config: dict, shape: dict, target: str) -> dict:
@@ -478,10 +542,6 @@ def smem_kernels(config: dict, shape: dict, target: str) -> dict:
         on = sm90 and m % 64 == 0
         return on, on and 16 * warps > m
 
-    def mma_cvt(nbytes: int, warps: int) -> int:
-        """Scratch of an accumulator's conversion between two wgmma layouts: 16 B per thread a round."""
-        return min(512 * warps, nbytes)
-
     # Scan, bytes (its products have SCAN_BJ rows: mma.sync). stage (one per pipeline stage beyond the
     # first): cp.async buffers of the chunk loop's fp32 loads (bf16 / fp16 loads, of unknown alignment
     # in an AOT compile, are not pipelined): angles 4 F BJ, DA_CS rows 4 F and the last step's 4,
@@ -493,46 +553,37 @@ def smem_kernels(config: dict, shape: dict, target: str) -> dict:
     body = max(e * bj * F, e * bj * bp, e * (C if shape["reduceO"] else F) * bp)
     scan = (c["scan_stages"] - 1) * stage + body
 
-    # Key side, after its P loop: dqk [F, F] (e) lives to the end. Peak one: dkq_m's conversion to the
-    # transposed product's layout (e F F). Peak two: the fp32 [F, KEY_BJ] conversions of the rotary
-    # halves (4 F BJ). On wgmma the B operands k_hat lo / hi [F, BJ] (e each) stay in shared memory
-    # from their product to their last use and q_hat's operand (e F BJ) comes and goes, or the four
-    # e-byte [F, BJ] tiles of q_hat and k_hat stored for the value side are staged; when the warps
-    # split N, dkq_m [F, F] (e) is staged for its products too and fp32 [F, BJ] accumulators change
-    # layout. At C*R = 16, an upper bound.
-    bj, w = c["KEY_BJ"], c["key_warps"]
-    on, split = wgmma(F, w)
-    if on:
-        key = max((4 + 2 * split) * F * F,
-                  (2 + 2 * split) * F * F + 2 * e * F * bj
-                  + max(4 * F * bj, e * F * bj + split * mma_cvt(4 * F * bj, w), 4 * e * F * bj))
-    elif F >= 32:
-        key = max(4 * F * F, 2 * F * F + 4 * F * bj)
+    # Key side. Split wgmma (sm_90a, 64 rows, 8 warps): after the P loop dkq_m and dqk_t are staged as
+    # A operands (e F F each), the fp32 rotated q / k [F, KEY_BJ] change layout (4 F BJ) and q_hat's B
+    # operands lo / hi stay staged (e F BJ each); in the P loop (less at the named shapes) PsiV's and
+    # dy's operands (e F BP, dy's twice) and the dS / STATES tiles (e BJ BP each). mma.sync (sm_121a,
+    # or a wgmma whose warps do not split N): the P loop's PsiV and dy operands (e F BP each) and a
+    # tile's conversion (e BJ BP), or after it dqk's transposed operand (e F F) and an [F, BJ] one.
+    bj, bp, w = c["KEY_BJ"], c["KEY_BP"], c["key_warps"]
+    if wgmma(F, w)[1]:
+        key = max(2 * e * F * F + 4 * F * bj + 2 * e * F * bj, 3 * e * F * bp + 4 * e * bj * bp)
     else:
-        key = 4 * F * F + 4 * F * bj
+        key = max(2 * e * F * bp + e * bj * bp, e * F * F + e * F * bj)
 
     # Value side, bytes (the compiler's figure where _value_modelled, else a bound: smem_inexact).
-    # ff = e F F: diag_t, staged all kernel long (lkq_m too with split warps); kt = e F VALUE_BJ: a
-    # k_hat / q_hat tile; ds = e VALUE_BJ BLOCK_P: a dS tile; dy = e F BLOCK_P: dy's operand; acc =
-    # 4 F BLOCK_P: an fp32 [F, BLOCK_P] conversion (khds' on split wgmma, 512 a warp at most; dpsiv's
-    # for D * dy where dy's layout differs); 4 F F: an fp32 [F, F] conversion.
+    # ff = e F F: the dPsiV operand (A of dy), staged all P loop long; kt = 2 e F VALUE_BJ: a k_hat
+    # (or q_hat) tile of one N step, both rotary halves; ds = 2 e VALUE_BJ BLOCK_P: its dS tile;
+    # dy = e F BLOCK_P: dy's operand, from its cast to PsiV dy^T; red = 4 F BLOCK_P: with D, the
+    # reduction scratch of the D term's [C, R, BLOCK_P] (fp32), in the region the N loop's tiles use.
+    # With one N step (VALUE_BJ = N/2) k_hat q_hat^T is a single product whose result reaches the dPsiV
+    # product from registers: its two tiles, or the P loop's tiles with dy's operand at the next
+    # multiple of its size, or on split wgmma an fp32 [F, F] conversion.
     bj, bp, w = c["VALUE_BJ"], c["BLOCK_P"], c["chunk_warps"]
-    reduce_o = bool(shape["reduceO"])
-    ff, kt, ds, dy, acc = e * F * F, e * F * bj, e * bj * bp, e * F * bp, 4 * F * bp
-    one = bj == shape["N"] // 2          # one-step N loops
-    spread = R * bp >= 32 * w            # an [R, BLOCK_P] tile has an element per thread
-    dpsiv = acc if shape["hasD"] and (R == 1 or spread) else 0
-    split = wgmma(F, w)[1]               # at C*R = 32 and 64, wgmma runs only with its warps split
-    if not _value_modelled(shape):
-        value = 4 * F * F * (1 + sm90) + e * F * (bj + bp) + 2 * e * bj * bp
-    elif split and one:
-        value = max(ff + dy + max(kt + ds, mma_cvt(acc, w)), ff + dy + dpsiv, 4 * F * F)
-    elif split:
-        value = max(2 * ff + dy + mma_cvt(acc, w) + kt + ds, 2 * ff + dy + dpsiv)
+    ff, kt, ds, dy = e * F * F, 2 * e * F * bj, 2 * e * bj * bp, e * F * bp
+    red = 4 * F * bp * bool(shape["hasD"])
+    one = bj == shape["N"] // 2
+    wide = 4 * F * F * (wgmma(F, w)[1] and one)
+    if not _value_modelled(config, shape):
+        value = max(ff + dy + max(kt + ds, red), 2 * kt, kt + ds + 2 * dy, wide)
     elif one:
-        value = max(2 * kt, kt + ds, dpsiv, ff, 2 * dy * (not reduce_o))
+        value = max(2 * kt, -(-(kt + ds) // dy) * dy + dy, wide)
     else:
-        value = max(ff + 2 * kt, ff + dpsiv, 4 * F * F * (R == 1), (ff + 2 * dy) * (not reduce_o))
+        value = ff + dy + max(kt + ds, red)
 
     return {"scan": scan, "key": key, "value": value, "reduce": 0}   # reduce: registers only
 
@@ -546,10 +597,10 @@ def smem_inexact(config: dict, shape: dict, target: str) -> set:
     out = set()
     if bj * F < max(bj, dy_rows) * c["SCAN_BP"]:
         out.add("scan")           # a layout conversion's scratch (rounds per warp count) decides
-    if F < 32 or c["KEY_BP"] == shape["P"]:
-        out.add("key")            # C*R = 16; or one P step: its layouts change
-    if not _value_modelled(shape):
-        out.add("value")          # C*R outside 32 and 64: not probed, the bound stands
+    if F not in (32, 64) or c["KEY_BP"] == shape["P"]:
+        out.add("key")            # C*R outside 32 and 64: not probed; or one P step: its layouts change
+    if not _value_modelled(config, shape):
+        out.add("value")          # likewise: the bound stands
     return out
 
 
@@ -562,8 +613,8 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
 
     Over the sweep space (sweeps/mamba_bwd_bwd/triton.toml) at every named shape, each kernel's figure
     equals the compiler's for sm_90a and sm_121a (tests/test_triton_mamba.py) except where smem_inexact
-    names it; there it is an upper bound. The value side's figure is exact at C*R = 32 and 64 (every
-    named shape); the key side's at C*R >= 32 with KEY_BP < P (every named shape). The scan's is a
+    names it; there it is an upper bound. The key side's and the value side's figures are exact at
+    C*R = 32 and 64 with more than one P step (every named shape). The scan's is a
     bound where its dS / dy layout conversion outweighs the q_hat^T operand (at the named shapes:
     SCAN_BP = 128, or R = 1, or unreduced DOUT); that bound gives the largest figure only at
     grid_n128_p128_r4_c8 with SCAN_BP = 128. Not modelled: C*R >= 256 (over every device's limit)."""
@@ -574,12 +625,12 @@ def _signatures(shape: dict) -> dict:
     """Argument types of the four kernels for an ahead-of-time compile."""
     e, f = f"*{_TL[shape['dtype']]}", "*fp32"
     dims = dict(S="i32", H="i32", G="i32", NC="i32")
-    scan = dict(Q=e, QB=f, ANG=f, DA=f, DOUT=e, PHI=f, Z=e, ZETA=f, DS=e, **dims)
-    key = dict(Q=e, K=e, QB=f, KB=f, V=e, PSI=f, ANG=f, DA=f, DAR=f, DT=f, TRAP=e, SEG=f, DOUT=e, PHI=f, Z=e,
-               ZETA=f, STATES="*bf16", DS=e, DQ=e, DK=e, DANG=f, ROW_WS=f, DDA_WS=f, QH=e, KH=e, **dims)
+    scan = dict(Q=e, QB=f, ANG=f, DA=f, DOUT=e, PHI=f, Z=e, ZETA=f, DS=e, **dims, COS=f, SIN=f)
+    key = dict(Q=e, K=e, QB=f, KB=f, V=e, PSI=f, COS=f, SIN=f, DA=f, DAR=f, DT=f, TRAP=e, SEG=f, DOUT=e, PHI=f, Z=e,
+               ZETA=f, STATES="*bf16", DS=e, DQ=e, DK=e, DANG=f, ROW_WS=f, DDA_WS=f, DD_WS=f, QH=e, KH=e, **dims)
     value = dict(QH=e, KH=e, V=e, PSI=f, DAR=f, DT=f, TRAP=e, QKD=e, SEG=f, DOUT=e, PHI=f, Z=e,
                  ZETA=f, DPARAM=f, DS=e, ROW_WS=f, DDA_WS=f, DV=e, DFACTOR=f, DGAMMA=f, DDA=f, DDA_CS=f,
-                 DDA_CS_REV=f, DSSDA=f, DPSI_WS=f, DD_WS=f, **dims)
+                 DDA_CS_REV=f, DSSDA=f, DPSI_WS=f, **dims)
     reduce = dict(DPSI_WS=f, DD_WS=f, DPSI=f, DD=f, H="i32", NC="i32")
     return {"scan": scan, "key": key, "value": value, "reduce": reduce}
 
