@@ -348,9 +348,12 @@ def _lkq(QH, KH, hrow, N: tl.constexpr, F: tl.constexpr, BJ: tl.constexpr):
     lkq = tl.zeros((F, F), dtype=tl.float32)
     m = tl.arange(0, 2 * BJ)
     col = (m // BJ) * NH + m % BJ
-    for j0 in tl.range(0, NH, BJ):
-        hb = hrow + j0 + col[None, :]
-        lkq += tl.dot(tl.load(KH + hb), tl.trans(tl.load(QH + hb)))
+    if BJ == NH:    # one step, straight-line (see _chunk_v's k_hat dS)
+        lkq = tl.dot(tl.load(KH + hrow + col[None, :]), tl.trans(tl.load(QH + hrow + col[None, :])))
+    else:
+        for j0 in tl.range(0, NH, BJ):
+            hb = hrow + j0 + col[None, :]
+            lkq += tl.dot(tl.load(KH + hb), tl.trans(tl.load(QH + hb)))
     return lkq
 
 
@@ -398,10 +401,17 @@ def _chunk_v(QH, KH, V, PSI, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, ZETA, DPARAM
         khds = tl.zeros((F, BP), dtype=tl.float32)
         m = tl.arange(0, 2 * BJ)
         col = (m // BJ) * NH + m % BJ
-        for j0 in tl.range(0, NH, BJ):
-            jj = j0 + col
-            cell = (bh * NC + c) * N * P + jj[:, None] * P + pp[None, :]
-            khds += tl.dot(tl.load(KH + hrow + jj[None, :]), tl.load(DS + cell))
+        if BJ == NH:
+            # one step, straight-line: as a one-trip loop inside the P loop it made an illegal memory
+            # access on sm_90a (Triton 3.6) at every N = 64 shape with VALUE_BJ = 32, run
+            # 20261127T074650Z-mamba_bwd_bwd-h100-950
+            cell = (bh * NC + c) * N * P + col[:, None] * P + pp[None, :]
+            khds = tl.dot(tl.load(KH + hrow + col[None, :]), tl.load(DS + cell))
+        else:
+            for j0 in tl.range(0, NH, BJ):
+                jj = j0 + col
+                cell = (bh * NC + c) * N * P + jj[:, None] * P + pp[None, :]
+                khds += tl.dot(tl.load(KH + hrow + jj[None, :]), tl.load(DS + cell))
         dpsiv = er[:, None] * khds + tl.dot(a_v, dy16)
         dv = tl.sum(tl.reshape(dpsiv, (C, R, BP)) * psi[None, :, :], 1)
         dpsi = tl.sum(tl.reshape(dpsiv, (C, R, BP)) * v[:, None, :], 0)
