@@ -140,13 +140,16 @@ def test_every_named_shape_has_configs_that_fit_gb10():
 
 def test_the_scan_bound_tops_the_estimate_only_where_documented():
     """Over the sweep space at every named shape, both targets: the only bound (smem_inexact) that gives
-    the largest figure is the scan's, at grid_n128_p128_r4_c8 with SCAN_BP = 128 (smem_estimate)."""
+    the largest figure is the scan's with SCAN_BP = 128, at grid_n128_p128_r4_c8 (smem_estimate) and on
+    sm_121a at training, where the bound is the compiler's figure (12,548 B, checked by
+    test_smem_estimate_equals_the_compiler)."""
     for name in NAMED:
         sh = space.get_shape("mamba_bwd_bwd", name)
         for config, target in itertools.product(_space_configs(sh), TARGETS):
             est = lane.smem_kernels(config, sh, target)
             top = max(est, key=est.get)
-            documented = top == "scan" and name == "grid_n128_p128_r4_c8" and config["SCAN_BP"] == 128
+            documented = top == "scan" and config["SCAN_BP"] == 128 and (
+                name == "grid_n128_p128_r4_c8" or (name, target) == ("training", "sm_121a"))
             assert top not in lane.smem_inexact(config, sh, target) or documented, (name, target, config, est)
 
 

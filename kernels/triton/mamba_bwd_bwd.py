@@ -348,8 +348,10 @@ def _lkq(QH, KH, hrow, N: tl.constexpr, F: tl.constexpr, BJ: tl.constexpr):
     lkq = tl.zeros((F, F), dtype=tl.float32)
     m = tl.arange(0, 2 * BJ)
     col = (m // BJ) * NH + m % BJ
-    if BJ == NH:    # one step, straight-line (see _chunk_v's k_hat dS)
-        lkq = tl.dot(tl.load(KH + hrow + col[None, :]), tl.trans(tl.load(QH + hrow + col[None, :])))
+    if BJ == NH:    # all of N: one product per rotary half (see _chunk_v's k_hat dS)
+        jj = tl.arange(0, NH)[None, :]
+        lkq = tl.dot(tl.load(KH + hrow + jj), tl.trans(tl.load(QH + hrow + jj)))
+        lkq += tl.dot(tl.load(KH + hrow + NH + jj), tl.trans(tl.load(QH + hrow + NH + jj)))
     else:
         for j0 in tl.range(0, NH, BJ):
             hb = hrow + j0 + col[None, :]
@@ -402,11 +404,13 @@ def _chunk_v(QH, KH, V, PSI, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, ZETA, DPARAM
         m = tl.arange(0, 2 * BJ)
         col = (m // BJ) * NH + m % BJ
         if BJ == NH:
-            # one step, straight-line: as a one-trip loop inside the P loop it made an illegal memory
-            # access on sm_90a (Triton 3.6) at every N = 64 shape with VALUE_BJ = 32, run
-            # 20261127T074650Z-mamba_bwd_bwd-h100-950
-            cell = (bh * NC + c) * N * P + col[:, None] * P + pp[None, :]
-            khds = tl.dot(tl.load(KH + hrow + col[None, :]), tl.load(DS + cell))
+            # all of N: one product per rotary half. As one product over N (contiguous columns) Triton
+            # 3.6 reads shared memory out of bounds on sm_90a (compute-sanitizer: invalid __shared__
+            # read of 512 bytes; every N = 64 shape, VALUE_BJ = 32; results/logs/20261127T075816Z-call-log.txt)
+            jj = tl.arange(0, NH)
+            cell = (bh * NC + c) * N * P + jj[:, None] * P + pp[None, :]
+            khds = tl.dot(tl.load(KH + hrow + jj[None, :]), tl.load(DS + cell))
+            khds += tl.dot(tl.load(KH + hrow + NH + jj[None, :]), tl.load(DS + cell + NH * P))
         else:
             for j0 in tl.range(0, NH, BJ):
                 jj = j0 + col
@@ -580,9 +584,10 @@ def smem_kernels(config: dict, shape: dict, target: str) -> dict:
     # (or q_hat) tile of one N step, both rotary halves; ds = 2 e VALUE_BJ BLOCK_P: its dS tile;
     # dy = e F BLOCK_P: dy's operand, from its cast to PsiV dy^T; red = 4 F BLOCK_P: with D, the
     # reduction scratch of the D term's [C, R, BLOCK_P] (fp32), in the region the N loop's tiles use.
-    # With one N step (VALUE_BJ = N/2) k_hat q_hat^T is a single product whose result reaches the dPsiV
-    # product from registers: its two tiles, or the P loop's tiles with dy's operand at the next
-    # multiple of its size, or on split wgmma an fp32 [F, F] conversion.
+    # With one N step (VALUE_BJ = N/2) the products take one rotary half each, and k_hat q_hat^T reaches
+    # the dPsiV product from registers: on split wgmma an fp32 [F, F] conversion decides; on mma.sync
+    # dy's operand beside the larger of a half's k_hat and dS tiles (kt / 2 + ds / 2) and the D term's
+    # scratch, or k_hat q_hat^T's two half tiles.
     bj, bp, w = c["VALUE_BJ"], c["BLOCK_P"], c["chunk_warps"]
     ff, kt, ds, dy = e * F * F, 2 * e * F * bj, 2 * e * bj * bp, e * F * bp
     red = 4 * F * bp * bool(shape["hasD"])
@@ -590,8 +595,10 @@ def smem_kernels(config: dict, shape: dict, target: str) -> dict:
     wide = 4 * F * F * (wgmma(F, w)[1] and one)
     if not _value_modelled(config, shape):
         value = max(ff + dy + max(kt + ds, red), 2 * kt, kt + ds + 2 * dy, wide)
+    elif one and wide:
+        value = wide
     elif one:
-        value = max(2 * kt, -(-(kt + ds) // dy) * dy + dy, wide)
+        value = max(kt, dy + max((kt + ds) // 2, red))
     else:
         value = ff + dy + max(kt + ds, red)
 
