@@ -168,7 +168,7 @@ def test_the_value_side_is_exact_at_every_named_shape():
 # with the value side's N loops of two VALUE_BJ = 32 steps; training, with one-step N loops and the
 # scan's SCAN_BP = 128 bound), C*R = 32 on sm_90a (mma.sync key side, where the scan's bound tops the
 # estimate), the scan's R = 8 stage and R = 1 bound, one-step N loops at N = 32 on both targets (the
-# fp32 [F, F] conversion on sm_90a, dy's rounded offset on sm_121a), and no D with unreduced DOUT and
+# fp32 [F, F] conversion on sm_90a, the half tiles beside dy on sm_121a), and no D with unreduced DOUT and
 # no Z (gqa). The rest repeat those terms at more shapes (slow).
 _DEFAULT_CASES = {("h100_tuned", "sm_121a"), ("anchor_b2", "sm_121a"), ("training", "sm_121a"), ("gb10", "sm_121a"),
                   ("h100_tuned", "sm_90a"), ("training", "sm_90a"), ("grid_n128_p128_r4_c8", "sm_90a"),
