@@ -33,12 +33,15 @@ def versions() -> dict:
     return {"triton": triton.__version__, "torch": torch.__version__}
 
 
-def aot(fn, sig: dict, consts: dict, target: str, num_warps: int, num_stages: int | None = None) -> dict:
-    """Ahead-of-time compile for ``target`` (no GPU): shared memory (bytes) and registers of the cubin."""
+def aot(fn, sig: dict, consts: dict, target: str, num_warps: int, num_stages: int | None = None,
+        maxnreg: int | None = None) -> dict:
+    """Ahead-of-time compile for ``target`` (no GPU): shared memory (bytes) and registers of the cubin.
+    maxnreg: registers per thread the compiler may use (None: its own choice)."""
     from triton.backends.compiler import GPUTarget
     sig = {**sig, **{k: "constexpr" for k in consts}}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
-    opts = {"num_warps": num_warps} | ({"num_stages": num_stages} if num_stages is not None else {})
+    opts = ({"num_warps": num_warps} | ({"num_stages": num_stages} if num_stages is not None else {})
+            | ({"maxnreg": maxnreg} if maxnreg else {}))
     t0 = time.perf_counter()
     kernel = triton.compile(src, target=GPUTarget("cuda", cc(target), 32), options=opts)
     return {"smem_bytes": int(kernel.metadata.shared), "registers": getattr(kernel, "n_regs", None),

@@ -56,6 +56,9 @@ Tunables:
                         reading k_hat again per P step), and P columns per step of its P loop
   chunk_warps           the value-side kernel's num_warps
   chunk_stages          num_stages of both chunk kernels' P loops
+  key_maxnreg, value_maxnreg   registers per thread each chunk kernel may use (0: the compiler's choice).
+                        At 8 warps, 128 lets two CTAs share an SM (65,536 registers) where the
+                        compiler's choice (150-210) leaves one
 """
 from __future__ import annotations
 
@@ -70,9 +73,10 @@ from lab.problems import _mamba3 as m3
 DSL = "triton"
 KERNEL = "mamba_bwd_bwd"
 TUNABLES = ("SCAN_BJ", "SCAN_BP", "scan_warps", "scan_stages", "KEY_BJ", "KEY_BP", "key_warps", "VALUE_BJ",
-            "BLOCK_P", "chunk_warps", "chunk_stages")
+            "BLOCK_P", "chunk_warps", "chunk_stages", "key_maxnreg", "value_maxnreg")
 DEFAULTS = {"SCAN_BJ": 16, "SCAN_BP": 32, "scan_warps": 4, "scan_stages": 2, "KEY_BJ": 16, "KEY_BP": 32,
-            "key_warps": 8, "VALUE_BJ": 16, "BLOCK_P": 32, "chunk_warps": 8, "chunk_stages": 1}
+            "key_warps": 8, "VALUE_BJ": 16, "BLOCK_P": 32, "chunk_warps": 8, "chunk_stages": 1,
+            "key_maxnreg": 0, "value_maxnreg": 0}
 _TL = {"bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -492,13 +496,20 @@ def _warps(config: dict) -> dict:
     return {"scan": config["scan_warps"], "key": config["key_warps"], "value": config["chunk_warps"], "reduce": 4}
 
 
+def _launch_opts(config: dict) -> dict:
+    """num_warps, and maxnreg where capped, of each kernel's launch (keyword arguments of kernel[grid])."""
+    regs = {"key": config["key_maxnreg"], "value": config["value_maxnreg"]}
+    return {name: {"num_warps": w} | ({"maxnreg": regs[name]} if regs.get(name) else {})
+            for name, w in _warps(config).items()}
+
+
 def build(config: dict, shape: dict):
     config = {**DEFAULTS, **config}
     why = config_reason(config, shape)
     if why:
         raise ValueError(why)
     B, S, H, G, N, P, R, C, nc, nr = m3.dims(shape)
-    kc, warps = _kernel_consts(config, shape, fence=not _common.interpreting()), _warps(config)
+    kc, launch = _kernel_consts(config, shape, fence=not _common.interpreting()), _launch_opts(config)
     tiles, nbj = _scan_tiles(config, shape), _key_blocks(config, shape)
     work: dict = {}
 
@@ -519,19 +530,19 @@ def build(config: dict, shape: dict):
         dpar = i["D"] if shape["hasD"] else i["MIMO_V"]
         dd_out = o["DD"] if shape["hasD"] else w["dd"]
         _scan[(tiles, H, B)](i["Q"], i["Q_BIAS"], i["ANGLES"], i["DA_CS"], i["DOUT"], i["MIMO_O"], z, zeta,
-                             w["ds"], S, H, G, nc, COS=w["cos"], SIN=w["sin"], num_warps=warps["scan"], **kc["scan"])
+                             w["ds"], S, H, G, nc, COS=w["cos"], SIN=w["sin"], **launch["scan"], **kc["scan"])
         _chunk_k[(nc * nbj, H, B)](
             i["Q"], i["K"], i["Q_BIAS"], i["K_BIAS"], i["V"], i["MIMO_V"], w["cos"], w["sin"], i["DA_CS"],
             i["DA_CS_REV"],
             i["DT"], i["TRAP"], i["SEGSUM"], i["DOUT"], i["MIMO_O"], z, zeta, i["STATES"], w["ds"],
             o["DQ"], o["DK"], o["DANGLES"], w["rows"], w["dda"], w["dd"], w["qh"], w["kh"], S, H, G, nc,
-            num_warps=warps["key"], **kc["key"])
+            **launch["key"], **kc["key"])
         kern = _chunk_v[(nc, H, B)](
             w["qh"], w["kh"], i["V"], i["MIMO_V"], i["DA_CS_REV"],
             i["DT"], i["TRAP"], i["QK_DOT"], i["SEGSUM"], i["DOUT"], i["MIMO_O"], z, zeta, dpar, w["ds"],
             w["rows"], w["dda"], o["DV"], o["DFACTOR"], o["DGAMMA_DIAG"], o["DDA"], o["DDA_CS"], o["DDA_CS_REV"],
-            o["DSSDA"], w["dpsi"], S, H, G, nc, num_warps=warps["value"], **kc["value"])
-        _reduce[(H, B)](w["dpsi"], w["dd"], o["DMIMO_V"], dd_out, H, nc, num_warps=warps["reduce"], **kc["reduce"])
+            o["DSSDA"], w["dpsi"], S, H, G, nc, **launch["value"], **kc["value"])
+        _reduce[(H, B)](w["dpsi"], w["dd"], o["DMIMO_V"], dd_out, H, nc, **launch["reduce"], **kc["reduce"])
         return _common.launch_info(kern)
     return run
 
@@ -659,7 +670,7 @@ def compile_kernel(name: str, config: dict, shape: dict, target: str) -> dict:
     """One of the four kernels ("scan", "key", "value", "reduce") for ``target`` (no GPU)."""
     config = {**DEFAULTS, **config}
     return _common.aot(_FNS[name], _signatures(shape)[name], _kernel_consts(config, shape)[name], target,
-                       _warps(config)[name])
+                       **_launch_opts(config)[name])
 
 
 def compile_for(config: dict, shape: dict, target: str) -> dict:
