@@ -802,9 +802,16 @@ def _reduce_program(config: dict, shape: dict):
                DDA_PART: T.Tensor((B, H, tiles, bn, nc), F32), DA_CS: T.Tensor((B, H, S), F32),
                DMIMO_V: T.Tensor((B, H, R, P), F32), DD: T.Tensor((B, H), F32), DDA: T.Tensor((B, H, S), F32)):
         with T.Kernel(H, B, threads=256) as (h, b):
+            # the tiles * bn row sums of each chunk in ks slices, so that all 256 threads load when nc < 256
+            rows = tiles * bn
+            ks = max(d for d in range(1, min(rows, max(1, 256 // nc)) + 1) if rows % d == 0)
+            part_s = T.alloc_shared((ks, nc), F32)
             dda_s = T.alloc_shared((nc,), F32)
+            for s, c in T.Parallel(ks, nc):
+                part_s[s, c] = _step_sum([DDA_PART[b, h, (s * (rows // ks) + k) // bn, (s * (rows // ks) + k) % bn, c]
+                                          for k in range(rows // ks)])
             for c in T.Parallel(nc):
-                dda_s[c] = _step_sum([DDA_PART[b, h, k // bn, k % bn, c] for k in range(tiles * bn)])
+                dda_s[c] = _step_sum([part_s[s, c] for s in range(ks)])
             for c, t in T.Parallel(nc, C):
                 DDA[b, h, c * C + t] = dda_s[c] * T.exp(DA_CS[b, h, c * C + C - 1])
             acc = T.alloc_fragment((R, P), F32)
