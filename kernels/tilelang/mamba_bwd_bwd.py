@@ -13,7 +13,7 @@ every dS_c is known, each chunk's work (about ten GEMMs and all the elementwise 
    the q_hat tile (bias + rotary) and the dy tile (Phi, SiLU gate, exp(DA_CS)) are built there and
    fed to one GEMM. Tiling N and P gives B*H*tiles CTAs instead of B*H. The scan never takes the
    aggressive shared-memory merge (see ``_pass_configs``).
-2. ``chunk``: grid (nc, H, B), one CTA per chunk: all outputs except the cross-chunk sums, plus
+2. ``chunk``: grid (H, nc, B), one CTA per chunk and head: all outputs except the cross-chunk sums, plus
    per-chunk partials of DMIMO_V [B,H,nc,R,P] and DD [B,H,nc] (workspaces). The same-step R x R terms
    (QK_DOT into dPsiV, dqk into DK and DQ) ride in block-diagonal F x F operands of tensor-core GEMMs,
    and DD is the trace of PsiV dy^T, which the dkq GEMM already holds. Only q_hat and rot(k) live in
@@ -668,7 +668,9 @@ def _chunk_program(config: dict, shape: dict):
               DANGLES: sig["DANGLES"], DFACTOR: sig["DFACTOR"], DGAMMA_DIAG: sig["DGAMMA_DIAG"],
               DDA_CS: sig["DDA_CS"], DDA_CS_REV: sig["DDA_CS_REV"], DSSDA: sig["DSSDA"],
               DMV_PART: sig["DMV_PART"], DD_PART: sig["DD_PART"]):
-        with T.Kernel(nc, H, B, threads=threads) as (c, h, b):
+        # heads fastest: the H CTAs of a chunk run together and read its Q / K rows (shared by the heads
+        # of a group) from L2 rather than each from DRAM
+        with T.Kernel(H, nc, B, threads=threads) as (h, c, b):
             T.annotate_min_blocks_per_sm(2)
             hq = h // (H // G)
             t0 = c * C
