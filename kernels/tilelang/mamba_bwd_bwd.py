@@ -13,7 +13,7 @@ every dS_c is known, each chunk's work (about ten GEMMs and all the elementwise 
    the q_hat tile (bias + rotary) and the dy tile (Phi, SiLU gate, exp(DA_CS)) are built there and
    fed to one GEMM. Tiling N and P gives B*H*tiles CTAs instead of B*H. The scan never takes the
    aggressive shared-memory merge (see ``_pass_configs``).
-2. ``chunk``: grid (H, nc, B), one CTA per chunk and head: all outputs except the cross-chunk sums, plus
+2. ``chunk``: grid (nc, H, B), one CTA per chunk: all outputs except the cross-chunk sums, plus
    per-chunk partials of DMIMO_V [B,H,nc,R,P] and DD [B,H,nc] (workspaces). The same-step R x R terms
    (QK_DOT into dPsiV, dqk into DK and DQ) ride in block-diagonal F x F operands of tensor-core GEMMs,
    and DD is the trace of PsiV dy^T, which the dkq GEMM already holds. Only q_hat and rot(k) live in
@@ -668,9 +668,7 @@ def _chunk_program(config: dict, shape: dict):
               DANGLES: sig["DANGLES"], DFACTOR: sig["DFACTOR"], DGAMMA_DIAG: sig["DGAMMA_DIAG"],
               DDA_CS: sig["DDA_CS"], DDA_CS_REV: sig["DDA_CS_REV"], DSSDA: sig["DSSDA"],
               DMV_PART: sig["DMV_PART"], DD_PART: sig["DD_PART"]):
-        # heads fastest: the H CTAs of a chunk run together and read its Q / K rows (shared by the heads
-        # of a group) from L2 rather than each from DRAM
-        with T.Kernel(H, nc, B, threads=threads) as (h, c, b):
+        with T.Kernel(nc, H, B, threads=threads) as (c, h, b):
             T.annotate_min_blocks_per_sm(2)
             hq = h // (H // G)
             t0 = c * C
@@ -804,16 +802,9 @@ def _reduce_program(config: dict, shape: dict):
                DDA_PART: T.Tensor((B, H, tiles, bn, nc), F32), DA_CS: T.Tensor((B, H, S), F32),
                DMIMO_V: T.Tensor((B, H, R, P), F32), DD: T.Tensor((B, H), F32), DDA: T.Tensor((B, H, S), F32)):
         with T.Kernel(H, B, threads=256) as (h, b):
-            # the tiles * bn row sums of each chunk in ks slices, so that all 256 threads load when nc < 256
-            rows = tiles * bn
-            ks = max(d for d in range(1, min(rows, max(1, 256 // nc)) + 1) if rows % d == 0)
-            part_s = T.alloc_shared((ks, nc), F32)
             dda_s = T.alloc_shared((nc,), F32)
-            for s, c in T.Parallel(ks, nc):
-                part_s[s, c] = _step_sum([DDA_PART[b, h, (s * (rows // ks) + k) // bn, (s * (rows // ks) + k) % bn, c]
-                                          for k in range(rows // ks)])
             for c in T.Parallel(nc):
-                dda_s[c] = _step_sum([part_s[s, c] for s in range(ks)])
+                dda_s[c] = _step_sum([DDA_PART[b, h, k // bn, k % bn, c] for k in range(tiles * bn)])
             for c, t in T.Parallel(nc, C):
                 DDA[b, h, c * C + t] = dda_s[c] * T.exp(DA_CS[b, h, c * C + C - 1])
             acc = T.alloc_fragment((R, P), F32)
