@@ -109,6 +109,56 @@ def config_reason(config: dict, shape: dict) -> str | None:
 
 
 @triton.jit
+def _step_rows(X, b, h, c, pp, S, H, R: tl.constexpr, C: tl.constexpr, P: tl.constexpr):
+    """A [B, S, H, P] tensor's rows of chunk c on the fused rows (row t*R + r reads step t), columns pp:
+    [F, BP] (fp32). Each step is read R times (L1 hits), so that the tile meets a per-rank one in the
+    layout it was loaded in: a [C, BP] tile broadcast over ranks and reshaped is a layout conversion
+    (shared memory and two barriers) right behind its load, and such conversions serialize the loads."""
+    t = tl.arange(0, C * R) // R
+    return tl.load(X + ((b * S + c * C + t[:, None]) * H + h) * P + pp[None, :]).to(tl.float32)
+
+
+@triton.jit
+def _rank_rows(X, h, pp, R: tl.constexpr, C: tl.constexpr, P: tl.constexpr):
+    """A [H, R, P] per-rank parameter's columns pp for head h on the fused rows (row t*R + r reads rank
+    r): [F, BP] (fp32)."""
+    r = tl.arange(0, C * R) % R
+    return tl.load(X + (h * R + r[:, None]) * P + pp[None, :]).to(tl.float32)
+
+
+@triton.jit
+def _dy_load(DOUT, PHI, Z, ZETA, b, h, c, pp, S, H, R: tl.constexpr, C: tl.constexpr, P: tl.constexpr,
+             HAS_Z: tl.constexpr, REDUCE_O: tl.constexpr):
+    """The tiles dL/dy is built from, each [F, BP] fp32 on the fused rows: dO, Phi, Z, zeta. A tile an
+    option does not use is dO's again."""
+    if REDUCE_O:
+        d = _step_rows(DOUT, b, h, c, pp, S, H, R, C, P)
+        phi = _rank_rows(PHI, h, pp, R, C, P)
+    else:
+        f = tl.arange(0, C * R)
+        d = tl.load(DOUT + (((b * S + c * C + f[:, None] // R) * R + f[:, None] % R) * H + h) * P + pp[None, :])
+        d = d.to(tl.float32)
+        phi = d
+    if HAS_Z:
+        z = _step_rows(Z, b, h, c, pp, S, H, R, C, P)
+        zeta = _rank_rows(ZETA, h, pp, R, C, P)
+    else:
+        z, zeta = d, phi
+    return d, phi, z, zeta
+
+
+@triton.jit
+def _dy_from(d, phi, z, zeta, HAS_Z: tl.constexpr, REDUCE_O: tl.constexpr):
+    """dL/dy [F, BP] (fp32) of chunk c's fused rows (step t, rank r) from _dy_load's tiles."""
+    if REDUCE_O:
+        d = d * phi
+    if HAS_Z:
+        zz = z * zeta
+        d = d * zz * tl.sigmoid(zz)
+    return d
+
+
+@triton.jit
 def _fuse(x_c, x_r, C: tl.constexpr, R: tl.constexpr, BP: tl.constexpr):
     """[C, BP] per step times [R, BP] per rank -> [F, BP] over fused rows t*R + r (loads R x fewer)."""
     return tl.reshape(x_c[:, None, :] * x_r[None, :, :], (C * R, BP))
@@ -129,7 +179,8 @@ def _rank_tile(X, h, pp, R: tl.constexpr, P: tl.constexpr):
 @triton.jit
 def _dy_tile(DOUT, PHI, Z, ZETA, b, h, c, pp, S, H, R: tl.constexpr, C: tl.constexpr, P: tl.constexpr,
              BP: tl.constexpr, HAS_Z: tl.constexpr, REDUCE_O: tl.constexpr):
-    """dL/dy [F, BP] (fp32) of chunk c's fused rows (step t, rank r) and columns pp."""
+    """dL/dy [F, BP] (fp32) of chunk c's fused rows and columns pp, from [C, BP] and [R, BP] tiles: the
+    scan's form, whose loads the chunk loop's pipelining stages (cp.async), R x smaller than _dy_load's."""
     if REDUCE_O:
         d = _fuse(_step_tile(DOUT, b, h, c, pp, S, H, C, P), _rank_tile(PHI, h, pp, R, P), C, R, BP)
     else:
@@ -265,14 +316,18 @@ def _chunk_k(Q, K, QB, KB, V, PSI, COS, SIN, DA, DAR, DT, TRAP, SEG, DOUT, PHI, 
     dd = 0.0
     for p0 in tl.range(0, P, BP, num_stages=STAGES):
         pp = p0 + tl.arange(0, BP)
-        psiv = _fence(_fuse(_step_tile(V, b, h, c, pp, S, H, C, P), _rank_tile(PSI, h, pp, R, P), C, R, BP), FENCE)
-        dy = _fence(_dy_tile(DOUT, PHI, Z, ZETA, b, h, c, pp, S, H, R, C, P, BP, HAS_Z, REDUCE_O), FENCE)
-        if HAS_D:
-            dd += tl.sum(tl.sum(psiv * dy, 1), 0)
-        psiv16, dy16 = psiv.to(dt), dy.to(dt)
+        # Every load of the step first: a fence (and the layout conversion behind it, a barrier) orders
+        # the loads after it, whose latencies would then add up instead of overlapping.
+        v, psi = _step_rows(V, b, h, c, pp, S, H, R, C, P), _rank_rows(PSI, h, pp, R, C, P)
+        d, phi, z, zeta = _dy_load(DOUT, PHI, Z, ZETA, b, h, c, pp, S, H, R, C, P, HAS_Z, REDUCE_O)
         cell = (bh * NC + c) * N * P + jj[:, None] * P + pp[None, :]
         ds_lo, ds_hi = tl.load(DS + cell), tl.load(DS + cell + NH * P)
         st_lo, st_hi = tl.load(STATES + cell), tl.load(STATES + cell + NH * P)
+        psiv = _fence(v * psi, FENCE)
+        dy = _fence(_dy_from(d, phi, z, zeta, HAS_Z, REDUCE_O), FENCE)
+        if HAS_D:
+            dd += tl.sum(tl.sum(psiv * dy, 1), 0)
+        psiv16, dy16 = psiv.to(dt), dy.to(dt)
         dda += tl.sum(tl.sum(st_lo.to(tl.float32) * ds_lo.to(tl.float32) +
                              st_hi.to(tl.float32) * ds_hi.to(tl.float32), 1), 0)
         dkq += tl.dot(psiv16, tl.trans(dy16))
@@ -397,36 +452,39 @@ def _chunk_v(QH, KH, V, PSI, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, ZETA, DPARAM
     tc = tl.arange(0, C)
     for p0 in tl.range(0, P, BP, num_stages=STAGES):
         pp = p0 + tl.arange(0, BP)
-        v = _step_tile(V, b, h, c, pp, S, H, C, P)
-        psi = _rank_tile(PSI, h, pp, R, P)
-        psiv = _fuse(v, psi, C, R, BP)
-        dy = _dy_tile(DOUT, PHI, Z, ZETA, b, h, c, pp, S, H, R, C, P, BP, HAS_Z, REDUCE_O)
-        dy = _fence(dy, FENCE)
-        dy16 = dy.to(dt)
-        # k_hat dS_c over N, BJ pairs (both rotary halves, one product) a step, k_hat read again.
-        khds = tl.zeros((F, BP), dtype=tl.float32)
-        m = tl.arange(0, 2 * BJ)
-        col = (m // BJ) * NH + m % BJ
+        # The step's loads first (see _chunk_k's P loop).
+        v, psi = _step_rows(V, b, h, c, pp, S, H, R, C, P), _rank_rows(PSI, h, pp, R, C, P)
+        d, phi, z, zeta = _dy_load(DOUT, PHI, Z, ZETA, b, h, c, pp, S, H, R, C, P, HAS_Z, REDUCE_O)
         if BJ == NH:
             # all of N: one product per rotary half. As one product over N (contiguous columns) Triton
             # 3.6 reads shared memory out of bounds on sm_90a (compute-sanitizer: invalid __shared__
             # read of 512 bytes; every N = 64 shape, VALUE_BJ = 32; results/logs/20261127T075816Z-call-log.txt)
-            jj = tl.arange(0, NH)
-            cell = (bh * NC + c) * N * P + jj[:, None] * P + pp[None, :]
-            khds = tl.dot(tl.load(KH + hrow + jj[None, :]), tl.load(DS + cell))
-            khds += tl.dot(tl.load(KH + hrow + NH + jj[None, :]), tl.load(DS + cell + NH * P))
+            jh = tl.arange(0, NH)
+            cell = (bh * NC + c) * N * P + jh[:, None] * P + pp[None, :]
+            kh_lo, kh_hi = tl.load(KH + hrow + jh[None, :]), tl.load(KH + hrow + NH + jh[None, :])
+            ds_lo, ds_hi = tl.load(DS + cell), tl.load(DS + cell + NH * P)
+        psiv = v * psi
+        dy = _fence(_dy_from(d, phi, z, zeta, HAS_Z, REDUCE_O), FENCE)
+        dy16 = dy.to(dt)
+        # k_hat dS_c over N, BJ pairs (both rotary halves, one product) a step, k_hat read again.
+        if BJ == NH:
+            khds = tl.dot(kh_lo, ds_lo)
+            khds += tl.dot(kh_hi, ds_hi)
         else:
+            khds = tl.zeros((F, BP), dtype=tl.float32)
+            m = tl.arange(0, 2 * BJ)
+            col = (m // BJ) * NH + m % BJ
             for j0 in tl.range(0, NH, BJ):
                 jj = j0 + col
                 cell = (bh * NC + c) * N * P + jj[:, None] * P + pp[None, :]
                 khds += tl.dot(tl.load(KH + hrow + jj[None, :]), tl.load(DS + cell))
         dpsiv = er[:, None] * khds + tl.dot(a_v, dy16)
-        dv = tl.sum(tl.reshape(dpsiv, (C, R, BP)) * psi[None, :, :], 1)
-        dpsi = tl.sum(tl.reshape(dpsiv, (C, R, BP)) * v[:, None, :], 0)
+        dv = tl.sum(tl.reshape(dpsiv * psi, (C, R, BP)), 1)
+        dpsi = tl.sum(tl.reshape(dpsiv * v, (C, R, BP)), 0)
         if HAS_D:   # the D term, reduced in dy's layout (dy feeds no other one) and added after
-            dyd = tl.reshape(dpar * dy, (C, R, BP))
-            dv += tl.sum(dyd * psi[None, :, :], 1)
-            dpsi += tl.sum(dyd * v[:, None, :], 0)
+            dyd = dpar * dy
+            dv += tl.sum(tl.reshape(dyd * psi, (C, R, BP)), 1)
+            dpsi += tl.sum(tl.reshape(dyd * v, (C, R, BP)), 0)
         tl.store(DV + ((b * S + c * C + tc[:, None]) * H + h) * P + pp[None, :], dv.to(dt))
         ra = tl.arange(0, R)
         tl.store(DPSI_WS + ((bh * NC + c) * R + ra[:, None]) * P + pp[None, :], dpsi)
