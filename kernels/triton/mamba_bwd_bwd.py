@@ -47,6 +47,14 @@ path (the layout pass would clone the fence with the rest of the chain). With th
 value sides use no local memory (no spills, no stack) at the named shapes for the sweep file's seeds
 on sm_90a and sm_121a.
 
+Loads. In the chunk kernels' P loops every load of a step is issued before the step's first layout
+conversion: a conversion goes through shared memory between two barriers, and a load placed after one
+waits for it, so loads interleaved with conversions pay their latencies one after another. PsiV's and
+dy's per-step and per-rank tiles are read directly on the fused rows ([F, BP], each step read R times
+from L1), since a [C, BP] tile broadcast over ranks is itself a conversion right behind its load. The
+scan keeps the [C, BP] / [R, BP] tiles (_dy_tile): its chunk loop's pipelining stages those loads in
+shared memory, R times smaller.
+
 Tunables:
   SCAN_BJ, SCAN_BP      dS tile of one scan program: 2 * SCAN_BJ rows (SCAN_BJ rotary pairs) x SCAN_BP
   scan_warps, scan_stages   the scan's num_warps and num_stages (software pipelining of the chunk loop)
@@ -641,12 +649,13 @@ def smem_kernels(config: dict, shape: dict, target: str) -> dict:
     # operands lo / hi stay staged (e F BJ each); in the P loop (less at the named shapes) PsiV's and
     # dy's operands (e F BP, dy's twice) and the dS / STATES tiles (e BJ BP each). mma.sync (sm_121a,
     # or a wgmma whose warps do not split N): the P loop's PsiV and dy operands (e F BP each) and a
-    # tile's conversion (e BJ BP), or after it dqk's transposed operand (e F F) and an [F, BJ] one.
+    # cross-warp sum's scratch (4 bytes a warp), or after it dqk's transposed operand (e F F) and an
+    # [F, BJ] one.
     bj, bp, w = c["KEY_BJ"], c["KEY_BP"], c["key_warps"]
     if wgmma(F, w)[1]:
         key = max(2 * e * F * F + 4 * F * bj + 2 * e * F * bj, 3 * e * F * bp + 4 * e * bj * bp)
     else:
-        key = max(2 * e * F * bp + e * bj * bp, e * F * F + e * F * bj)
+        key = max(2 * e * F * bp + 4 * w, e * F * F + e * F * bj)
 
     # Value side, bytes (the compiler's figure where _value_modelled, else a bound: smem_inexact).
     # ff = e F F: the dPsiV operand (A of dy), staged all P loop long; kt = 2 e F VALUE_BJ: a k_hat
@@ -655,8 +664,8 @@ def smem_kernels(config: dict, shape: dict, target: str) -> dict:
     # reduction scratch of the D term's [C, R, BLOCK_P] (fp32), in the region the N loop's tiles use.
     # With one N step (VALUE_BJ = N/2) the products take one rotary half each, and k_hat q_hat^T reaches
     # the dPsiV product from registers: on split wgmma an fp32 [F, F] conversion decides; on mma.sync
-    # dy's operand beside the larger of a half's k_hat and dS tiles (kt / 2 + ds / 2) and the D term's
-    # scratch, or k_hat q_hat^T's two half tiles.
+    # dy's operand beside the larger of both halves' k_hat and dS tiles (kt + ds: loaded before dy is
+    # built, so all four are staged at once) and the D term's scratch, or k_hat q_hat^T's two half tiles.
     bj, bp, w = c["VALUE_BJ"], c["BLOCK_P"], c["chunk_warps"]
     ff, kt, ds, dy = e * F * F, 2 * e * F * bj, 2 * e * bj * bp, e * F * bp
     red = 4 * F * bp * bool(shape["hasD"])
@@ -667,7 +676,7 @@ def smem_kernels(config: dict, shape: dict, target: str) -> dict:
     elif one and wide:
         value = wide
     elif one:
-        value = max(kt, dy + max((kt + ds) // 2, red))
+        value = max(kt, dy + max(kt + ds, red))
     else:
         value = ff + dy + max(kt + ds, red)
 
