@@ -64,9 +64,9 @@ Tunables:
                         reading k_hat again per P step), and P columns per step of its P loop
   chunk_warps           the value-side kernel's num_warps
   chunk_stages          num_stages of both chunk kernels' P loops
-  key_maxnreg, value_maxnreg   registers per thread each chunk kernel may use (0: the compiler's choice).
-                        At 8 warps, 128 lets two CTAs share an SM (65,536 registers) where the
-                        compiler's choice (150-210) leaves one
+  key_maxnreg, value_maxnreg   registers per thread each chunk kernel may use. At 8 warps, 128 lets two
+                        CTAs share an SM (65,536 registers) where the compiler's own choice (150-210)
+                        leaves one; 80, three
 """
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ TUNABLES = ("SCAN_BJ", "SCAN_BP", "scan_warps", "scan_stages", "KEY_BJ", "KEY_BP
             "BLOCK_P", "chunk_warps", "chunk_stages", "key_maxnreg", "value_maxnreg")
 DEFAULTS = {"SCAN_BJ": 16, "SCAN_BP": 32, "scan_warps": 4, "scan_stages": 2, "KEY_BJ": 16, "KEY_BP": 32,
             "key_warps": 8, "VALUE_BJ": 16, "BLOCK_P": 32, "chunk_warps": 8, "chunk_stages": 1,
-            "key_maxnreg": 0, "value_maxnreg": 0}
+            "key_maxnreg": 128, "value_maxnreg": 128}
 _TL = {"bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -563,9 +563,9 @@ def _warps(config: dict) -> dict:
 
 
 def _launch_opts(config: dict) -> dict:
-    """num_warps, and maxnreg where capped, of each kernel's launch (keyword arguments of kernel[grid])."""
+    """num_warps, and maxnreg for the chunk kernels, of each kernel's launch (keyword arguments of kernel[grid])."""
     regs = {"key": config["key_maxnreg"], "value": config["value_maxnreg"]}
-    return {name: {"num_warps": w} | ({"maxnreg": regs[name]} if regs.get(name) else {})
+    return {name: {"num_warps": w} | ({"maxnreg": regs[name]} if name in regs else {})
             for name, w in _warps(config).items()}
 
 
