@@ -45,9 +45,10 @@ _INTERPRET = textwrap.dedent("""
 def test_interpreter_parity_through_the_harness():
     """Every output against reference (2) at the timed shape and the problem's parity shape (B=1, three
     chunks, odd head count): R=4 and R=1, GQA with every option off and rd=2, several scan tiles and P
-    steps, three or more chunks."""
-    cases = [(BASE, SMALL),                                                               # R=4, 3 chunks
-             ({**BASE, "R": 1, "C": 16, "S": 64, "P": 32, "hasD": False}, SMALL),        # R=1, 4 chunks, 2 P steps
+    steps, three or more chunks, the scan in segments of one chunk (three) and of two (two)."""
+    cases = [(BASE, {**SMALL, "scan_segments": 4}),                                     # R=4, 3 chunks, 3 segments
+             ({**BASE, "R": 1, "C": 16, "S": 64, "P": 32, "hasD": False},
+              {**SMALL, "scan_segments": 2}),                                            # R=1, 4 chunks, 2 P steps
              ({**BASE, "G": 2, "H": 4, "N": 64, "R": 2, "C": 8, "S": 24, "rd": 2, "hasZ": False, "hasD": False,
                "reduceO": False}, {**SMALL, "SCAN_BJ": 16, "SCAN_BP": 16})]               # GQA, 2 x 1 scan tiles
     env = {**os.environ, "TRITON_INTERPRET": "1"}

@@ -1,9 +1,9 @@
 """Triton lane for mamba_bwd_bwd (the Mamba-3 MIMO backward kernel "bwd_bwd").
 
-Four kernels (the model and the output definitions are in lab/problems/_mamba3.py). F = C*R: the fused
-rows t*R + r of a chunk (step t, rank r).
+Four kernels, five with scan segments (the model and the output definitions are in
+lab/problems/_mamba3.py). F = C*R: the fused rows t*R + r of a chunk (step t, rank r).
 
-1. ``_scan``: grid (tiles of dS, H, B). dS_c (N x P, the gradient of the state leaving chunk c) is the
+1. ``_scan``: grid (tiles of dS x segments, H, B). dS_c (N x P, the gradient of the state leaving chunk c) is the
    only serial dependency: dS_{c-1} = exp(DA_CS_last(c)) dS_c + q_hat_c^T (exp(DA_CS) dy_c). A program
    owns SCAN_BJ rotary pairs (rows j and N/2 + j of dS, so that it rotates q without a gather) and
    SCAN_BP columns, walks the chunks last to first with dS in fp32 registers, and writes dS_c in the
@@ -11,6 +11,12 @@ rows t*R + r of a chunk (step t, rank r).
    in a loop of their own before the scan's, the cos / sin of the angles (fp32, [B, S, H, N/rd] each)
    for (2), which so has no transcendental range reduction (libdevice's sinf / cosf keep a 28-byte
    local array for it).
+   With K = scan_segments > 1 the chunks are K ranges of nc / K, and the recurrence, linear in dS, is
+   walked on all of them at once: a local pass (the same kernel, LOCAL) runs ranges 1..K-1 from dS = 0
+   and leaves each one's sum (fp32, [B, H, K, N, P]) and whole decay exp(sum of DA_CS at its chunks'
+   last steps); then each scan program starts its range from the later ranges' sums, composed with
+   those decays, and walks only its own chunks: 2 nc / K serial steps on K times the programs, for
+   shapes whose B*H and dS tiles leave SMs idle.
 2. ``_chunk_k``: grid (nc * N/2 / KEY_BJ, H, B): the key / query side of one chunk on KEY_BJ rotary
    pairs. Its P loop (KEY_BP columns a step) accumulates, fp32 in registers, PsiV dy^T (F x F), PsiV dS^T
    and dy STATES^T (F x KEY_BJ per rotary half) and the chunk's sums of STATES * dS (DDA) and
@@ -58,6 +64,8 @@ shared memory, R times smaller.
 Tunables:
   SCAN_BJ, SCAN_BP      dS tile of one scan program: 2 * SCAN_BJ rows (SCAN_BJ rotary pairs) x SCAN_BP
   scan_warps, scan_stages   the scan's num_warps and num_stages (software pipelining of the chunk loop)
+  scan_segments         ranges of chunks the scan walks at once (above; the largest count up to it that
+                        divides the chunk count)
   KEY_BJ, KEY_BP        rotary pairs per key-side program, and P columns per step of its P loop
   key_warps             the key-side kernel's num_warps
   VALUE_BJ, BLOCK_P     rotary pairs per step of the value side's N loops (k_hat q_hat^T, and k_hat dS
@@ -80,10 +88,10 @@ from lab.problems import _mamba3 as m3
 
 DSL = "triton"
 KERNEL = "mamba_bwd_bwd"
-TUNABLES = ("SCAN_BJ", "SCAN_BP", "scan_warps", "scan_stages", "KEY_BJ", "KEY_BP", "key_warps", "VALUE_BJ",
-            "BLOCK_P", "chunk_warps", "chunk_stages", "key_maxnreg", "value_maxnreg")
-DEFAULTS = {"SCAN_BJ": 16, "SCAN_BP": 32, "scan_warps": 4, "scan_stages": 2, "KEY_BJ": 16, "KEY_BP": 32,
-            "key_warps": 8, "VALUE_BJ": 16, "BLOCK_P": 32, "chunk_warps": 8, "chunk_stages": 1,
+TUNABLES = ("SCAN_BJ", "SCAN_BP", "scan_warps", "scan_stages", "scan_segments", "KEY_BJ", "KEY_BP", "key_warps",
+            "VALUE_BJ", "BLOCK_P", "chunk_warps", "chunk_stages", "key_maxnreg", "value_maxnreg")
+DEFAULTS = {"SCAN_BJ": 16, "SCAN_BP": 32, "scan_warps": 4, "scan_stages": 2, "scan_segments": 1, "KEY_BJ": 16,
+            "KEY_BP": 32, "key_warps": 8, "VALUE_BJ": 16, "BLOCK_P": 32, "chunk_warps": 8, "chunk_stages": 1,
             "key_maxnreg": 128, "value_maxnreg": 128}
 _TL = {"bfloat16": "bf16", "float16": "fp16"}
 
@@ -207,37 +215,53 @@ def _rot(lo, hi, cos, sin):
 
 
 @triton.jit
-def _scan(Q, QB, ANG, DA, DOUT, PHI, Z, ZETA, DS, S, H, G, NC,
+def _scan(Q, QB, ANG, DA, DOUT, PHI, Z, ZETA, DS, CARRY, DECAY, S, H, G, NC,
           N: tl.constexpr, P: tl.constexpr, R: tl.constexpr, C: tl.constexpr, NR: tl.constexpr,
           BJ: tl.constexpr, BP: tl.constexpr, HAS_Z: tl.constexpr, REDUCE_O: tl.constexpr,
-          STAGES: tl.constexpr, COS=None, SIN=None):
+          STAGES: tl.constexpr, K: tl.constexpr, LOCAL: tl.constexpr, COS=None, SIN=None):
     F: tl.constexpr = C * R
     NH: tl.constexpr = N // 2
     NPB: tl.constexpr = P // BP
-    tile, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    TILES: tl.constexpr = (NH // BJ) * NPB
+    pid, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    tile, seg = pid % TILES, pid // TILES + LOCAL    # the local pass runs segments 1..K-1
+    L = NC // K
+    c_lo = seg * L
     j0, p0 = (tile // NPB) * BJ, (tile % NPB) * BP
     g = h // (H // G)
     f = tl.arange(0, F)
     t, r = f // R, f % R
     jj = j0 + tl.arange(0, BJ)
     pp = p0 + tl.arange(0, BP)
+    bh = b * H + h
     dt = Q.dtype.element_ty
     bq_lo = tl.load(QB + (h * R + r[:, None]) * N + jj[None, :])
     bq_hi = tl.load(QB + (h * R + r[:, None]) * N + NH + jj[None, :])
-    if COS is not None:
+    if not LOCAL:
         if p0 == 0:
-            # The key side's cos / sin of these pairs, [C, BJ] per chunk, from the pair block's first
-            # column tile: a loop of its own, so that the scan's loop keeps its registers.
+            # The key side's cos / sin of these pairs, [C, BJ] per chunk of the segment, from the pair
+            # block's first column tile: a loop of its own, so that the scan's loop keeps its registers.
             tc = tl.arange(0, C)
-            for c in tl.range(0, NC):
+            for c in tl.range(c_lo, c_lo + L):
                 at = ((b * S + c * C + tc[:, None]) * H + h) * NR + jj[None, :]
                 ang = tl.load(ANG + at, mask=jj[None, :] < NR, other=0.0)
                 tl.store(COS + at, tl.cos(ang), mask=jj[None, :] < NR)
                 tl.store(SIN + at, tl.sin(ang), mask=jj[None, :] < NR)
     run_lo = tl.zeros((BJ, BP), dtype=tl.float32)
     run_hi = tl.zeros((BJ, BP), dtype=tl.float32)
-    for i in tl.range(0, NC, num_stages=STAGES):
-        c = NC - 1 - i
+    cell = jj[:, None] * P + pp[None, :]
+    if K > 1:
+        if not LOCAL:
+            # dS leaving the segment's last chunk: the later segments' local sums, each decayed across
+            # the segments between (the recurrence is linear in dS), composed from the last one down.
+            for i in tl.range(0, K - 1 - seg):
+                j = K - 1 - i
+                dec = tl.load(DECAY + bh * K + j)
+                run_lo = tl.load(CARRY + (bh * K + j) * N * P + cell) + dec * run_lo
+                run_hi = tl.load(CARRY + (bh * K + j) * N * P + NH * P + cell) + dec * run_hi
+    log_decay = 0.0
+    for i in tl.range(0, L, num_stages=STAGES):
+        c = c_lo + L - 1 - i
         s = c * C + t
         row = b * S * R + c * F + f
         q_lo = tl.load(Q + (row[:, None] * G + g) * N + jj[None, :]).to(tl.float32) + bq_lo
@@ -245,15 +269,25 @@ def _scan(Q, QB, ANG, DA, DOUT, PHI, Z, ZETA, DS, S, H, G, NC,
         ang = tl.load(ANG + ((b * S + s[:, None]) * H + h) * NR + jj[None, :], mask=jj[None, :] < NR, other=0.0)
         cos, sin = tl.cos(ang), tl.sin(ang)
         qh_lo, qh_hi = _rot(q_lo, q_hi, cos, sin)
-        ea = tl.exp(tl.load(DA + (b * H + h) * S + s))
+        ea = tl.exp(tl.load(DA + bh * S + s))
         dye = (_dy_tile(DOUT, PHI, Z, ZETA, b, h, c, pp, S, H, R, C, P, BP, HAS_Z, REDUCE_O) * ea[:, None]).to(dt)
-        a_last = tl.exp(tl.load(DA + (b * H + h) * S + c * C + C - 1))
-        # dS_c = dL/dS_{c+1}: what the later chunks sent back (zero for the last chunk).
-        out = DS + ((b * H + h) * NC + c) * N * P + jj[:, None] * P + pp[None, :]
-        tl.store(out, run_lo.to(dt))
-        tl.store(out + NH * P, run_hi.to(dt))
+        da_last = tl.load(DA + bh * S + c * C + C - 1)
+        a_last = tl.exp(da_last)
+        if not LOCAL:
+            # dS_c = dL/dS_{c+1}: what the later chunks sent back (zero for the last chunk).
+            out = DS + (bh * NC + c) * N * P + cell
+            tl.store(out, run_lo.to(dt))
+            tl.store(out + NH * P, run_hi.to(dt))
+        else:
+            log_decay += da_last
         run_lo = a_last * run_lo + tl.dot(tl.trans(qh_lo.to(dt)), dye)
         run_hi = a_last * run_hi + tl.dot(tl.trans(qh_hi.to(dt)), dye)
+    if LOCAL:
+        # This segment's own sum (from dS = 0) and its whole decay, for the main pass's segments below.
+        tl.store(CARRY + (bh * K + seg) * N * P + cell, run_lo)
+        tl.store(CARRY + (bh * K + seg) * N * P + NH * P + cell, run_hi)
+        if tile == 0:
+            tl.store(DECAY + bh * K + seg, tl.exp(log_decay))
 
 
 @triton.jit
@@ -546,11 +580,26 @@ def _key_blocks(config: dict, shape: dict) -> int:
     return shape["N"] // 2 // config["KEY_BJ"]
 
 
+def _segments(config: dict, shape: dict) -> int:
+    """Ranges of chunks the scan walks at once: the largest count of at most ``scan_segments`` that
+    divides the chunk count (1 where none above 1 does)."""
+    nc = shape["S"] // shape["C"]
+    return max(k for k in range(1, config["scan_segments"] + 1) if nc % k == 0)
+
+
+def kernels(config: dict, shape: dict) -> list[str]:
+    """The kernels a config launches, in launch order (the scan's local pass only with segments)."""
+    local = ["scan_local"] if _segments({**DEFAULTS, **config}, shape) > 1 else []
+    return local + ["scan", "key", "value", "reduce"]
+
+
 def _kernel_consts(config: dict, shape: dict, fence: bool = True) -> dict:
     """Compile-time arguments of each kernel (beyond the shape's), keyed by kernel. fence: _fence's
     register move is emitted (False only under the interpreter, which has no inline assembly)."""
     k, has_d = _consts(config, shape), bool(shape["hasD"])
-    return {"scan": {**k, "BJ": config["SCAN_BJ"], "BP": config["SCAN_BP"], "STAGES": config["scan_stages"]},
+    scan = {**k, "BJ": config["SCAN_BJ"], "BP": config["SCAN_BP"], "STAGES": config["scan_stages"],
+            "K": _segments(config, shape)}
+    return {"scan_local": {**scan, "LOCAL": True}, "scan": {**scan, "LOCAL": False},
             "key": {**k, "BJ": config["KEY_BJ"], "BP": config["KEY_BP"], "HAS_D": has_d,
                     "STAGES": config["chunk_stages"], "FENCE": fence},
             "value": {**k, "BJ": config["VALUE_BJ"], "BP": config["BLOCK_P"], "NBJ": _key_blocks(config, shape), "HAS_D": has_d,
@@ -559,7 +608,8 @@ def _kernel_consts(config: dict, shape: dict, fence: bool = True) -> dict:
 
 
 def _warps(config: dict) -> dict:
-    return {"scan": config["scan_warps"], "key": config["key_warps"], "value": config["chunk_warps"], "reduce": 4}
+    return {"scan_local": config["scan_warps"], "scan": config["scan_warps"], "key": config["key_warps"],
+            "value": config["chunk_warps"], "reduce": 4}
 
 
 def _launch_opts(config: dict) -> dict:
@@ -576,7 +626,7 @@ def build(config: dict, shape: dict):
         raise ValueError(why)
     B, S, H, G, N, P, R, C, nc, nr = m3.dims(shape)
     kc, launch = _kernel_consts(config, shape, fence=not _common.interpreting()), _launch_opts(config)
-    tiles, nbj = _scan_tiles(config, shape), _key_blocks(config, shape)
+    tiles, nbj, segs = _scan_tiles(config, shape), _key_blocks(config, shape), _segments(config, shape)
     work: dict = {}
 
     def run(inputs, outputs):
@@ -589,14 +639,19 @@ def build(config: dict, shape: dict):
                         dpsi=torch.empty(B, H, nc, R, P, **f32), dd=torch.empty(B, H, nc, **f32),
                         qh=torch.empty(B, H, nc, C * R, N, dtype=i["Q"].dtype, device=dev),
                         cos=torch.empty(B, S, H, nr, **f32), sin=torch.empty(B, S, H, nr, **f32),
-                        kh=torch.empty(B, H, nc, C * R, N, dtype=i["Q"].dtype, device=dev))
+                        kh=torch.empty(B, H, nc, C * R, N, dtype=i["Q"].dtype, device=dev),
+                        carry=torch.empty(B, H, segs, N, P, **f32), decay=torch.empty(B, H, segs, **f32))
         w = work
         dummy = i["Q"]
         z, zeta = (i["Z"], i["MIMO_Z"]) if shape["hasZ"] else (dummy, i["MIMO_V"])
         dpar = i["D"] if shape["hasD"] else i["MIMO_V"]
         dd_out = o["DD"] if shape["hasD"] else w["dd"]
-        _scan[(tiles, H, B)](i["Q"], i["Q_BIAS"], i["ANGLES"], i["DA_CS"], i["DOUT"], i["MIMO_O"], z, zeta,
-                             w["ds"], S, H, G, nc, COS=w["cos"], SIN=w["sin"], **launch["scan"], **kc["scan"])
+        scan_args = (i["Q"], i["Q_BIAS"], i["ANGLES"], i["DA_CS"], i["DOUT"], i["MIMO_O"], z, zeta, w["ds"],
+                     w["carry"], w["decay"], S, H, G, nc)
+        if segs > 1:
+            _scan[(tiles * (segs - 1), H, B)](*scan_args, COS=w["cos"], SIN=w["sin"], **launch["scan_local"],
+                                              **kc["scan_local"])
+        _scan[(tiles * segs, H, B)](*scan_args, COS=w["cos"], SIN=w["sin"], **launch["scan"], **kc["scan"])
         _chunk_k[(nc * nbj, H, B)](
             i["Q"], i["K"], i["Q_BIAS"], i["K_BIAS"], i["V"], i["MIMO_V"], w["cos"], w["sin"], i["DA_CS"],
             i["DA_CS_REV"],
@@ -680,7 +735,9 @@ def smem_kernels(config: dict, shape: dict, target: str) -> dict:
     else:
         value = ff + dy + max(kt + ds, red)
 
-    return {"scan": scan, "key": key, "value": value, "reduce": 0}   # reduce: registers only
+    # The scan's local pass (with segments) stages the same tiles without the dS store: at most the scan's.
+    local = {"scan_local": scan} if "scan_local" in kernels(config, shape) else {}
+    return {"scan": scan, **local, "key": key, "value": value, "reduce": 0}   # reduce: registers only
 
 
 def smem_inexact(config: dict, shape: dict, target: str) -> set:
@@ -689,7 +746,7 @@ def smem_inexact(config: dict, shape: dict, target: str) -> set:
     F = shape["C"] * shape["R"]
     bj = c["SCAN_BJ"]
     dy_rows = shape["C"] if shape["reduceO"] else F
-    out = set()
+    out = {"scan_local"} & set(kernels(config, shape))   # bounded by the scan's figure
     if bj * F < max(bj, dy_rows) * c["SCAN_BP"]:
         out.add("scan")           # a layout conversion's scratch (rounds per warp count) decides
     if F not in (32, 64) or c["KEY_BP"] == shape["P"]:
@@ -720,29 +777,29 @@ def _signatures(shape: dict) -> dict:
     """Argument types of the four kernels for an ahead-of-time compile."""
     e, f = f"*{_TL[shape['dtype']]}", "*fp32"
     dims = dict(S="i32", H="i32", G="i32", NC="i32")
-    scan = dict(Q=e, QB=f, ANG=f, DA=f, DOUT=e, PHI=f, Z=e, ZETA=f, DS=e, **dims, COS=f, SIN=f)
+    scan = dict(Q=e, QB=f, ANG=f, DA=f, DOUT=e, PHI=f, Z=e, ZETA=f, DS=e, CARRY=f, DECAY=f, **dims, COS=f, SIN=f)
     key = dict(Q=e, K=e, QB=f, KB=f, V=e, PSI=f, COS=f, SIN=f, DA=f, DAR=f, DT=f, TRAP=e, SEG=f, DOUT=e, PHI=f, Z=e,
                ZETA=f, STATES="*bf16", DS=e, DQ=e, DK=e, DANG=f, ROW_WS=f, DDA_WS=f, DD_WS=f, QH=e, KH=e, **dims)
     value = dict(QH=e, KH=e, V=e, PSI=f, DAR=f, DT=f, TRAP=e, QKD=e, SEG=f, DOUT=e, PHI=f, Z=e,
                  ZETA=f, DPARAM=f, DS=e, ROW_WS=f, DDA_WS=f, DV=e, DFACTOR=f, DGAMMA=f, DDA=f, DDA_CS=f,
                  DDA_CS_REV=f, DSSDA=f, DPSI_WS=f, **dims)
     reduce = dict(DPSI_WS=f, DD_WS=f, DPSI=f, DD=f, H="i32", NC="i32")
-    return {"scan": scan, "key": key, "value": value, "reduce": reduce}
+    return {"scan_local": scan, "scan": scan, "key": key, "value": value, "reduce": reduce}
 
 
-_FNS = {"scan": _scan, "key": _chunk_k, "value": _chunk_v, "reduce": _reduce}
+_FNS = {"scan_local": _scan, "scan": _scan, "key": _chunk_k, "value": _chunk_v, "reduce": _reduce}
 
 
 def compile_kernel(name: str, config: dict, shape: dict, target: str) -> dict:
-    """One of the four kernels ("scan", "key", "value", "reduce") for ``target`` (no GPU)."""
+    """One kernel of ``kernels`` ("scan_local", "scan", "key", "value", "reduce") for ``target`` (no GPU)."""
     config = {**DEFAULTS, **config}
     return _common.aot(_FNS[name], _signatures(shape)[name], _kernel_consts(config, shape)[name], target,
                        **_launch_opts(config)[name])
 
 
 def compile_for(config: dict, shape: dict, target: str) -> dict:
-    """The four kernels for ``target`` (no GPU); smem_bytes / registers are the largest of them."""
-    per = {name: compile_kernel(name, config, shape, target) for name in _FNS}
+    """The config's kernels (``kernels``) for ``target`` (no GPU); smem_bytes / registers are the largest of them."""
+    per = {name: compile_kernel(name, config, shape, target) for name in kernels(config, shape)}
     return {"smem_bytes": max(v["smem_bytes"] for v in per.values()),
             "registers": max(v["registers"] or 0 for v in per.values()) or None,
             "compile_s": sum(v["compile_s"] for v in per.values()), "binary": "cubin", "kernels": per}
