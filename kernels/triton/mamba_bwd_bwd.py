@@ -1,16 +1,16 @@
 """Triton lane for mamba_bwd_bwd (the Mamba-3 MIMO backward kernel "bwd_bwd").
 
-Four kernels, five with scan segments (the model and the output definitions are in
+Five kernels, six with scan segments (the model and the output definitions are in
 lab/problems/_mamba3.py). F = C*R: the fused rows t*R + r of a chunk (step t, rank r).
 
+0. ``_angles``: cos and sin of every angle (fp32, [B, S, H, N/rd] each), read by (1) and (2), which so
+   take no transcendental range reduction (libdevice's sinf / cosf keep a 28-byte local array for it)
+   and, in the scan, none on its serial path (each step would repeat it for the R ranks of a row).
 1. ``_scan``: grid (tiles of dS x segments, H, B). dS_c (N x P, the gradient of the state leaving chunk c) is the
    only serial dependency: dS_{c-1} = exp(DA_CS_last(c)) dS_c + q_hat_c^T (exp(DA_CS) dy_c). A program
    owns SCAN_BJ rotary pairs (rows j and N/2 + j of dS, so that it rotates q without a gather) and
    SCAN_BP columns, walks the chunks last to first with dS in fp32 registers, and writes dS_c in the
-   input dtype (the chunk kernels' GEMM operand). The programs of the first column tile also write,
-   in a loop of their own before the scan's, the cos / sin of the angles (fp32, [B, S, H, N/rd] each)
-   for (2), which so has no transcendental range reduction (libdevice's sinf / cosf keep a 28-byte
-   local array for it).
+   input dtype (the chunk kernels' GEMM operand).
    With K = scan_segments > 1 the chunks are K ranges of nc / K, and the recurrence, linear in dS, is
    walked on all of them at once: a local pass (the same kernel, LOCAL) runs ranges 1..K-1 from dS = 0
    and leaves each one's sum (fp32, [B, H, K, N, P]) and whole decay exp(sum of DA_CS at its chunks'
@@ -22,7 +22,7 @@ lab/problems/_mamba3.py). F = C*R: the fused rows t*R + r of a chunk (step t, ra
    and dy STATES^T (F x KEY_BJ per rotary half) and the chunk's sums of STATES * dS (DDA) and
    dy * PsiV (DD, written by the program of the first pair block). After it, one value at a time:
    the F x F GEMM operands (dkq_m = PsiV dy^T exp(SEGSUM) off the diagonal blocks, dqk_t = gamma PsiV dy^T
-   on them, input dtype, staged in shared memory); q, k of its pairs rotated with the scan's cos / sin,
+   on them, input dtype, staged in shared memory); q, k of its pairs rotated with _angles' cos / sin,
    q_hat and k_hat written to a workspace [B, H, nc, F, N] (input dtype, 2 B H S R N elements) for (3);
    the row sums of its pairs (DDA_CS_REV, DDA_CS, DFACTOR) to a workspace; the key path (dk_hat, DK);
    then the query path (dq_hat, DANGLES, DQ), whose F x F operands are the transposes of the staged
@@ -94,6 +94,7 @@ DEFAULTS = {"SCAN_BJ": 16, "SCAN_BP": 32, "scan_warps": 4, "scan_stages": 2, "sc
             "KEY_BP": 32, "key_warps": 8, "VALUE_BJ": 16, "BLOCK_P": 32, "chunk_warps": 8, "chunk_stages": 1,
             "key_maxnreg": 128, "value_maxnreg": 128}
 _TL = {"bfloat16": "bf16", "float16": "fp16"}
+ANGLE_BLOCK = 1024   # angles per program of _angles
 
 
 def _pow2(x: int) -> bool:
@@ -215,10 +216,19 @@ def _rot(lo, hi, cos, sin):
 
 
 @triton.jit
-def _scan(Q, QB, ANG, DA, DOUT, PHI, Z, ZETA, DS, CARRY, DECAY, S, H, G, NC,
+def _angles(ANG, COS, SIN, n, BLOCK: tl.constexpr):
+    """cos and sin of every angle (fp32, [B, S, H, N/rd] each, as ANGLES), for the scan and the key side."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ang = tl.load(ANG + i, mask=i < n, other=0.0)
+    tl.store(COS + i, tl.cos(ang), mask=i < n)
+    tl.store(SIN + i, tl.sin(ang), mask=i < n)
+
+
+@triton.jit
+def _scan(Q, QB, COS, SIN, DA, DOUT, PHI, Z, ZETA, DS, CARRY, DECAY, S, H, G, NC,
           N: tl.constexpr, P: tl.constexpr, R: tl.constexpr, C: tl.constexpr, NR: tl.constexpr,
           BJ: tl.constexpr, BP: tl.constexpr, HAS_Z: tl.constexpr, REDUCE_O: tl.constexpr,
-          STAGES: tl.constexpr, K: tl.constexpr, LOCAL: tl.constexpr, COS=None, SIN=None):
+          STAGES: tl.constexpr, K: tl.constexpr, LOCAL: tl.constexpr):
     F: tl.constexpr = C * R
     NH: tl.constexpr = N // 2
     NPB: tl.constexpr = P // BP
@@ -237,16 +247,6 @@ def _scan(Q, QB, ANG, DA, DOUT, PHI, Z, ZETA, DS, CARRY, DECAY, S, H, G, NC,
     dt = Q.dtype.element_ty
     bq_lo = tl.load(QB + (h * R + r[:, None]) * N + jj[None, :])
     bq_hi = tl.load(QB + (h * R + r[:, None]) * N + NH + jj[None, :])
-    if not LOCAL:
-        if p0 == 0:
-            # The key side's cos / sin of these pairs, [C, BJ] per chunk of the segment, from the pair
-            # block's first column tile: a loop of its own, so that the scan's loop keeps its registers.
-            tc = tl.arange(0, C)
-            for c in tl.range(c_lo, c_lo + L):
-                at = ((b * S + c * C + tc[:, None]) * H + h) * NR + jj[None, :]
-                ang = tl.load(ANG + at, mask=jj[None, :] < NR, other=0.0)
-                tl.store(COS + at, tl.cos(ang), mask=jj[None, :] < NR)
-                tl.store(SIN + at, tl.sin(ang), mask=jj[None, :] < NR)
     run_lo = tl.zeros((BJ, BP), dtype=tl.float32)
     run_hi = tl.zeros((BJ, BP), dtype=tl.float32)
     cell = jj[:, None] * P + pp[None, :]
@@ -266,8 +266,9 @@ def _scan(Q, QB, ANG, DA, DOUT, PHI, Z, ZETA, DS, CARRY, DECAY, S, H, G, NC,
         row = b * S * R + c * F + f
         q_lo = tl.load(Q + (row[:, None] * G + g) * N + jj[None, :]).to(tl.float32) + bq_lo
         q_hi = tl.load(Q + (row[:, None] * G + g) * N + NH + jj[None, :]).to(tl.float32) + bq_hi
-        ang = tl.load(ANG + ((b * S + s[:, None]) * H + h) * NR + jj[None, :], mask=jj[None, :] < NR, other=0.0)
-        cos, sin = tl.cos(ang), tl.sin(ang)
+        at = ((b * S + s[:, None]) * H + h) * NR + jj[None, :]
+        cos = tl.load(COS + at, mask=jj[None, :] < NR, other=1.0)
+        sin = tl.load(SIN + at, mask=jj[None, :] < NR, other=0.0)
         qh_lo, qh_hi = _rot(q_lo, q_hi, cos, sin)
         ea = tl.exp(tl.load(DA + bh * S + s))
         dye = (_dy_tile(DOUT, PHI, Z, ZETA, b, h, c, pp, S, H, R, C, P, BP, HAS_Z, REDUCE_O) * ea[:, None]).to(dt)
@@ -388,7 +389,7 @@ def _chunk_k(Q, K, QB, KB, V, PSI, COS, SIN, DA, DAR, DT, TRAP, SEG, DOUT, PHI, 
     dkq_m = _fence(dkq * decay, FENCE).to(dt)
     dqk_t = _fence(tl.where(same, dkq * gamma[:, None], 0.0), FENCE).to(dt)
 
-    # Biased q, k on this program's pairs, rotated with the scan's cos / sin (1, 0 beyond N / rd).
+    # Biased q, k on this program's pairs, rotated with _angles' cos / sin (1, 0 beyond N / rd).
     src = (row[:, None] * G + g) * N + jj[None, :]
     bias = (h * R + r[:, None]) * N + jj[None, :]
     at = ((b * S + s[:, None]) * H + h) * NR + jj[None, :]
@@ -590,7 +591,7 @@ def _segments(config: dict, shape: dict) -> int:
 def kernels(config: dict, shape: dict) -> list[str]:
     """The kernels a config launches, in launch order (the scan's local pass only with segments)."""
     local = ["scan_local"] if _segments({**DEFAULTS, **config}, shape) > 1 else []
-    return local + ["scan", "key", "value", "reduce"]
+    return ["angles"] + local + ["scan", "key", "value", "reduce"]
 
 
 def _kernel_consts(config: dict, shape: dict, fence: bool = True) -> dict:
@@ -599,7 +600,8 @@ def _kernel_consts(config: dict, shape: dict, fence: bool = True) -> dict:
     k, has_d = _consts(config, shape), bool(shape["hasD"])
     scan = {**k, "BJ": config["SCAN_BJ"], "BP": config["SCAN_BP"], "STAGES": config["scan_stages"],
             "K": _segments(config, shape)}
-    return {"scan_local": {**scan, "LOCAL": True}, "scan": {**scan, "LOCAL": False},
+    return {"angles": {"BLOCK": ANGLE_BLOCK}, "scan_local": {**scan, "LOCAL": True},
+            "scan": {**scan, "LOCAL": False},
             "key": {**k, "BJ": config["KEY_BJ"], "BP": config["KEY_BP"], "HAS_D": has_d,
                     "STAGES": config["chunk_stages"], "FENCE": fence},
             "value": {**k, "BJ": config["VALUE_BJ"], "BP": config["BLOCK_P"], "NBJ": _key_blocks(config, shape), "HAS_D": has_d,
@@ -608,7 +610,7 @@ def _kernel_consts(config: dict, shape: dict, fence: bool = True) -> dict:
 
 
 def _warps(config: dict) -> dict:
-    return {"scan_local": config["scan_warps"], "scan": config["scan_warps"], "key": config["key_warps"],
+    return {"angles": 4, "scan_local": config["scan_warps"], "scan": config["scan_warps"], "key": config["key_warps"],
             "value": config["chunk_warps"], "reduce": 4}
 
 
@@ -627,6 +629,7 @@ def build(config: dict, shape: dict):
     B, S, H, G, N, P, R, C, nc, nr = m3.dims(shape)
     kc, launch = _kernel_consts(config, shape, fence=not _common.interpreting()), _launch_opts(config)
     tiles, nbj, segs = _scan_tiles(config, shape), _key_blocks(config, shape), _segments(config, shape)
+    n_ang = B * S * H * nr
     work: dict = {}
 
     def run(inputs, outputs):
@@ -646,12 +649,13 @@ def build(config: dict, shape: dict):
         z, zeta = (i["Z"], i["MIMO_Z"]) if shape["hasZ"] else (dummy, i["MIMO_V"])
         dpar = i["D"] if shape["hasD"] else i["MIMO_V"]
         dd_out = o["DD"] if shape["hasD"] else w["dd"]
-        scan_args = (i["Q"], i["Q_BIAS"], i["ANGLES"], i["DA_CS"], i["DOUT"], i["MIMO_O"], z, zeta, w["ds"],
+        _angles[(triton.cdiv(n_ang, ANGLE_BLOCK),)](i["ANGLES"], w["cos"], w["sin"], n_ang, **launch["angles"],
+                                                     **kc["angles"])
+        scan_args = (i["Q"], i["Q_BIAS"], w["cos"], w["sin"], i["DA_CS"], i["DOUT"], i["MIMO_O"], z, zeta, w["ds"],
                      w["carry"], w["decay"], S, H, G, nc)
         if segs > 1:
-            _scan[(tiles * (segs - 1), H, B)](*scan_args, COS=w["cos"], SIN=w["sin"], **launch["scan_local"],
-                                              **kc["scan_local"])
-        _scan[(tiles * segs, H, B)](*scan_args, COS=w["cos"], SIN=w["sin"], **launch["scan"], **kc["scan"])
+            _scan[(tiles * (segs - 1), H, B)](*scan_args, **launch["scan_local"], **kc["scan_local"])
+        _scan[(tiles * segs, H, B)](*scan_args, **launch["scan"], **kc["scan"])
         _chunk_k[(nc * nbj, H, B)](
             i["Q"], i["K"], i["Q_BIAS"], i["K_BIAS"], i["V"], i["MIMO_V"], w["cos"], w["sin"], i["DA_CS"],
             i["DA_CS_REV"],
@@ -690,12 +694,12 @@ def smem_kernels(config: dict, shape: dict, target: str) -> dict:
 
     # Scan, bytes (its products have SCAN_BJ rows: mma.sync). stage (one per pipeline stage beyond the
     # first): cp.async buffers of the chunk loop's fp32 loads (bf16 / fp16 loads, of unknown alignment
-    # in an AOT compile, are not pipelined): angles 4 F BJ, DA_CS rows 4 F and the last step's 4,
+    # in an AOT compile, are not pipelined): cos and sin 4 F BJ each, DA_CS rows 4 F and the last step's 4,
     # MIMO_O / MIMO_Z 4 R BP each when present. body: the largest of the q_hat^T operand e BJ F, the dS
     # tile's conversion e BJ BP and dy's rows' e (C or F) BP, those conversions at full size (upper
     # bounds where they decide: they take rounds).
     bj, bp = c["SCAN_BJ"], c["SCAN_BP"]
-    stage = 4 * F * bj + 4 * F + 4 + 4 * R * bp * (bool(shape["hasZ"]) + bool(shape["reduceO"]))
+    stage = 2 * 4 * F * bj + 4 * F + 4 + 4 * R * bp * (bool(shape["hasZ"]) + bool(shape["reduceO"]))
     body = max(e * bj * F, e * bj * bp, e * (C if shape["reduceO"] else F) * bp)
     scan = (c["scan_stages"] - 1) * stage + body
 
@@ -737,7 +741,8 @@ def smem_kernels(config: dict, shape: dict, target: str) -> dict:
 
     # The scan's local pass (with segments) stages the same tiles without the dS store: at most the scan's.
     local = {"scan_local": scan} if "scan_local" in kernels(config, shape) else {}
-    return {"scan": scan, **local, "key": key, "value": value, "reduce": 0}   # reduce: registers only
+    # angles, reduce: registers only
+    return {"angles": 0, "scan": scan, **local, "key": key, "value": value, "reduce": 0}
 
 
 def smem_inexact(config: dict, shape: dict, target: str) -> set:
@@ -777,17 +782,18 @@ def _signatures(shape: dict) -> dict:
     """Argument types of the four kernels for an ahead-of-time compile."""
     e, f = f"*{_TL[shape['dtype']]}", "*fp32"
     dims = dict(S="i32", H="i32", G="i32", NC="i32")
-    scan = dict(Q=e, QB=f, ANG=f, DA=f, DOUT=e, PHI=f, Z=e, ZETA=f, DS=e, CARRY=f, DECAY=f, **dims, COS=f, SIN=f)
+    scan = dict(Q=e, QB=f, COS=f, SIN=f, DA=f, DOUT=e, PHI=f, Z=e, ZETA=f, DS=e, CARRY=f, DECAY=f, **dims)
     key = dict(Q=e, K=e, QB=f, KB=f, V=e, PSI=f, COS=f, SIN=f, DA=f, DAR=f, DT=f, TRAP=e, SEG=f, DOUT=e, PHI=f, Z=e,
                ZETA=f, STATES="*bf16", DS=e, DQ=e, DK=e, DANG=f, ROW_WS=f, DDA_WS=f, DD_WS=f, QH=e, KH=e, **dims)
     value = dict(QH=e, KH=e, V=e, PSI=f, DAR=f, DT=f, TRAP=e, QKD=e, SEG=f, DOUT=e, PHI=f, Z=e,
                  ZETA=f, DPARAM=f, DS=e, ROW_WS=f, DDA_WS=f, DV=e, DFACTOR=f, DGAMMA=f, DDA=f, DDA_CS=f,
                  DDA_CS_REV=f, DSSDA=f, DPSI_WS=f, **dims)
     reduce = dict(DPSI_WS=f, DD_WS=f, DPSI=f, DD=f, H="i32", NC="i32")
-    return {"scan_local": scan, "scan": scan, "key": key, "value": value, "reduce": reduce}
+    angles = dict(ANG=f, COS=f, SIN=f, n="i32")
+    return {"angles": angles, "scan_local": scan, "scan": scan, "key": key, "value": value, "reduce": reduce}
 
 
-_FNS = {"scan_local": _scan, "scan": _scan, "key": _chunk_k, "value": _chunk_v, "reduce": _reduce}
+_FNS = {"angles": _angles, "scan_local": _scan, "scan": _scan, "key": _chunk_k, "value": _chunk_v, "reduce": _reduce}
 
 
 def compile_kernel(name: str, config: dict, shape: dict, target: str) -> dict:
