@@ -44,6 +44,7 @@ _TRITON_SCAN = textwrap.dedent("""
     import json, sys
     sys.path.insert(0, sys.argv[1])
     import torch
+    import triton
     from lab.problems import _mamba3 as m3
     from lab.problems.mamba_bwd_bwd import MambaBwdBwd as Problem
     from kernels.triton import mamba_bwd_bwd as tri
@@ -52,11 +53,15 @@ _TRITON_SCAN = textwrap.dedent("""
         i = Problem().make_inputs(shape, "cpu", 5)
         B, S, H, G, N, P, R, C, nc, nr = m3.dims(shape)
         cfg = {**tri.DEFAULTS, "SCAN_BJ": 16, "SCAN_BP": 16}
+        kc = tri._kernel_consts(cfg, shape)
         ds = torch.empty(B, H, nc, N, P, dtype=i["Q"].dtype)
+        cos, sin = torch.empty(B, S, H, nr), torch.empty(B, S, H, nr)
+        carry, decay = torch.empty(B, H, 1, N, P), torch.empty(B, H, 1)
         z, zeta = (i["Z"], i["MIMO_Z"]) if shape["hasZ"] else (i["Q"], i["MIMO_V"])
-        tiles = tri._scan_tiles(cfg, shape)
-        tri._scan[(tiles, H, B)](i["Q"], i["Q_BIAS"], i["ANGLES"], i["DA_CS"], i["DOUT"], i["MIMO_O"], z, zeta,
-                                 ds, S, H, G, nc, **tri._kernel_consts(cfg, shape)["scan"])
+        tri._angles[(triton.cdiv(cos.numel(), tri.ANGLE_BLOCK),)](i["ANGLES"], cos, sin, cos.numel(), **kc["angles"])
+        tri._scan[(tri._scan_tiles(cfg, shape), H, B)](i["Q"], i["Q_BIAS"], cos, sin, i["DA_CS"], i["DOUT"],
+                                                       i["MIMO_O"], z, zeta, ds, carry, decay, S, H, G, nc,
+                                                       **kc["scan"])
         ref = m3.state_grads(i, shape)
         err = (ds.double() - ref).norm() / ref.norm()
         out.append(float(err))
