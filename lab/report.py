@@ -5,7 +5,8 @@ IQR, TFLOP/s, % of the running device's peak, SMEM (bytes), and the ratio to a r
 baseline lane when it is a library a user would pick (cuBLAS for GEMM), else (the lane declares
 ``BASELINE_KIND = "reference"``, see lab/registry.py, or there is no baseline) the fastest lane at
 that shape, named in the table. Each DSL's headline is its best A/B-confirmed config (lowest confirm
-median over all runs). Verdicts FASTER / SLOWER / SAME compare interquartile ranges: SAME when they
+median) among the rows of the checkout's lane code and toolchain (``gate.Freshness``), or among all its
+rows, marked "older code", where it has none of today's code. Verdicts FASTER / SLOWER / SAME compare interquartile ranges: SAME when they
 overlap. Rows of ``--compile-only`` runs (no timings) get their own section: what compiled, what fits.
 """
 from __future__ import annotations
@@ -44,19 +45,27 @@ def compile_only_mask(df: pd.DataFrame) -> pd.Series:
 def best_per_dsl(df: pd.DataFrame) -> pd.DataFrame:
     """One row per (device, emulated, kernel, shape, dsl) of the timed runs: the config to show.
 
-    Where every DSL at that shape and device has A/B confirm rows (phase=confirm, ok), each shows its
+    Each (device, emulated, kernel, shape, dsl) is judged on its rows of the checkout's lane code and
+    toolchain where it has any (``fresh`` True), else on all its rows (``fresh`` False): a faster
+    number of older code does not stand for today's lane. Where every DSL at that shape and device has A/B confirm rows (phase=confirm, ok), each shows its
     best confirmed config (lowest confirm median, any run) with those timings (confirm_*, ms); the other
     columns (SMEM, registers, parity) come from the confirm run's own sweep row of that config, else
     the newest one before the confirm (a later run of the same config may have measured other code),
     else the newest one. Otherwise the
     table is timed from the sweep and each DSL shows its best sweep trial (confirm_* NaN): a confirmed
     config can be older code than a faster unconfirmed trial. ``sweep_best_ms`` is the lowest sweep
-    median of the DSL over all runs."""
+    median of those rows."""
+    from lab import gate
     timed = df[~compile_only_mask(df)]
-    ok = timed[(timed["status"] == "ok") & timed["time_ms"].notna()]
+    ok = timed[(timed["status"] == "ok") & timed["time_ms"].notna() & timed["phase"].isin(("sweep", "confirm"))]
+    if not ok.empty:
+        fresh = gate.Freshness().mask(ok)
+        has_fresh = fresh.groupby([ok[k] for k in KEYS]).transform("any")
+        keep = fresh | ~has_fresh
+        ok = ok[keep].assign(fresh=fresh[keep])
     sweep = ok[ok["phase"] == "sweep"]
     if sweep.empty:
-        return sweep.assign(sweep_best_ms=pd.Series(dtype=float), **{v: pd.Series(dtype=float)
+        return sweep.assign(sweep_best_ms=pd.Series(dtype=float), fresh=pd.Series(dtype=bool), **{v: pd.Series(dtype=float)
                                                                       for v in CONFIRM_COLS.values()})
     best = sweep.loc[sweep.groupby(KEYS)["time_ms"].idxmin()]
     conf = ok[ok["phase"] == "confirm"]
@@ -218,7 +227,7 @@ def _shape_table(shape, gs: pd.DataFrame, bs: pd.DataFrame, counts: pd.DataFrame
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for _, r in bs.sort_values("head_ms").iterrows():
         smem = " / ".join(_fmt(r.get(c), ",.0f") for c in ("smem_estimate_bytes", "smem_compiled_bytes", "smem_launched_bytes"))
-        name = r["dsl"] + (" (reference)" if r["is_reference"] else "")
+        name = r["dsl"] + (" (reference)" if r["is_reference"] else "") + ("" if r.get("fresh", True) else " (older code)")
         lines.append(
             f"| {name} | {_fmt(r['head_ms'], '.4f')} | {_fmt(r['head_q3_ms'] - r['head_q1_ms'], '.4f')} | "
             f"{_fmt(r['head_n'], '.0f')} | {_fmt(r['sweep_best_ms'], '.4f')} | {_fmt(r['head_tflops'], '.1f')} | "
@@ -263,7 +272,8 @@ def _timing_note(bs: pd.DataFrame, source: str) -> str:
     else:
         where = "sweep rows (not every lane has an A/B confirm here: each DSL's best sweep trial)"
     return (f"Timing and ratios from: {where}; {what}; verdict by IQR overlap. "
-            f"Sweep best = the DSL's lowest sweep median over all runs.")
+            f"Sweep best = the DSL's lowest sweep median over the rows of today's lane code (all its rows where "
+            f"it has none: marked older code).")
 
 
 def _compile_only_section(summary: pd.DataFrame) -> list[str]:
