@@ -3,8 +3,9 @@
 Each function returns a DataFrame (empty, with its columns, when no row qualifies). Times are in ms,
 shared memory in bytes, errors relative (see lab/parity.py), and speeds are ratios: the fastest
 lane's time / the lane's time (1 = the fastest lane at that shape and device, 0.5 = twice as slow).
-Headline times are the report's (lab/report.py): each DSL's best A/B-confirmed config when every lane
-of the shape has one, else each DSL's best sweep trial.
+Headline times are the report's (lab/report.py, ``best_per_dsl``): each DSL's best A/B confirm among
+its rows of today's lane code (all its rows where it has none), else its best sweep trial among them;
+``timing_source`` says which, per lane.
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def headline(df: pd.DataFrame) -> pd.DataFrame:
 
 def best_lanes(df: pd.DataFrame) -> pd.DataFrame:
     """Per (device, emulated, kernel, shape): the fastest lane (``best_dsl``, headline median ``best_ms``,
-    its config), the runner-up and ``margin`` = runner-up ms / best ms (> 1), and how many lanes ran."""
+    its config and ``timing_source``), the runner-up and ``margin`` = runner-up ms / best ms (> 1), and
+    how many lanes ran."""
     cols = SHAPE + ["best_dsl", "best_ms", "runner_up", "runner_up_ms", "margin", "lanes", "timing_source", "config"]
     h = headline(df)
     rows = []

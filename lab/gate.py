@@ -205,6 +205,31 @@ def row_changes(r: pd.Series, module: str, current: dict, pins: dict) -> tuple[s
     return code, version_changes(versions, pins)
 
 
+class Freshness:
+    """``fresh(row)``: the row measured the checkout's lane code with today's harness and toolchain pins
+    (``row_changes`` empty), each distinct (lane, recorded identity) worked out once."""
+
+    def __init__(self):
+        self._current: dict = {}
+        self._pins = pinned_toolchain()
+        self._memo: dict = {}
+
+    def fresh(self, row: pd.Series) -> bool:
+        try:
+            module = registry.get(row["dsl"], row["kernel"]).module_name
+        except LabError:    # a lane this checkout does not have (a test lane's rows): not today's code
+            return False
+        key = (module, row["versions_json"], str(row["git_commit"]), bool(row["git_dirty"]))
+        if key not in self._memo:
+            if module not in self._current:
+                self._current[module] = identity.lane_identity(module)
+            self._memo[key] = not any(row_changes(row, module, self._current[module], self._pins))
+        return self._memo[key]
+
+    def mask(self, rows: pd.DataFrame) -> pd.Series:
+        return pd.Series([self.fresh(r) for _, r in rows.iterrows()], index=rows.index, dtype=bool)
+
+
 def slower_verdicts(rows: pd.DataFrame, module: str, current: dict, pins: dict,
                     cross_precision: frozenset = frozenset()) -> dict[str, str]:
     """{shape: run id} where the newest ``gate --run`` A/B row of the checkout's side (phase gate_checkout,

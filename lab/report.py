@@ -1,12 +1,15 @@
 """Markdown summary and PNG plots from result tables (``python -m lab report results/``).
 
-Per (requested device, emulated, kernel, shape): the best config per DSL with its median time (ms),
-IQR, TFLOP/s, % of the running device's peak, SMEM (bytes), and the ratio to a reference lane: the
+Per (requested device, emulated, kernel, shape): one row per DSL with its median time (ms), IQR,
+TFLOP/s, % of the running device's peak, SMEM (bytes), and the ratio to a reference lane: the
 baseline lane when it is a library a user would pick (cuBLAS for GEMM), else (the lane declares
 ``BASELINE_KIND = "reference"``, see lab/registry.py, or there is no baseline) the fastest lane at
-that shape, named in the table. Each DSL's headline is its best A/B-confirmed config (lowest confirm
-median over all runs). Verdicts FASTER / SLOWER / SAME compare interquartile ranges: SAME when they
-overlap. Rows of ``--compile-only`` runs (no timings) get their own section: what compiled, what fits.
+that shape, named in the table. Each DSL is judged on its rows of the checkout's lane code and
+toolchain (``gate.Freshness``) where it has any there, else on all its rows, marked "(older code)".
+Its headline is its best A/B confirm (lowest confirm median) among those rows, else its best sweep
+trial among them; the ``timing`` column says which, per row, and the note under the table names the
+confirm runs. Verdicts FASTER / SLOWER / SAME compare interquartile ranges: SAME when they overlap.
+Rows of ``--compile-only`` runs (no timings) get their own section: what compiled, what fits.
 """
 from __future__ import annotations
 
@@ -44,41 +47,40 @@ def compile_only_mask(df: pd.DataFrame) -> pd.Series:
 def best_per_dsl(df: pd.DataFrame) -> pd.DataFrame:
     """One row per (device, emulated, kernel, shape, dsl) of the timed runs: the config to show.
 
-    Where every DSL at that shape and device has A/B confirm rows (phase=confirm, ok), each shows its
-    best confirmed config (lowest confirm median, any run) with those timings (confirm_*, ms); the other
-    columns (SMEM, registers, parity) come from the confirm run's own sweep row of that config, else
-    the newest one before the confirm (a later run of the same config may have measured other code),
-    else the newest one. Otherwise the
-    table is timed from the sweep and each DSL shows its best sweep trial (confirm_* NaN): a confirmed
-    config can be older code than a faster unconfirmed trial. ``sweep_best_ms`` is the lowest sweep
-    median of the DSL over all runs."""
+    Candidate rows of each (device, emulated, kernel, shape, dsl): its ok sweep and confirm rows of the
+    checkout's lane code and toolchain (``gate.Freshness``) where it has any, else all its ok rows;
+    ``fresh`` says which. From the candidates: the best A/B confirm (lowest confirm median; phase=confirm)
+    gives the timings (confirm_*, ms), and the other columns (SMEM, registers, parity) come from that
+    confirm run's own sweep row of that config, else the newest candidate sweep row of that config
+    before the confirm (a later run of the same config may have measured other code), else the newest
+    one, else the confirm row itself. A DSL without a confirm among its candidates shows its best sweep
+    trial (confirm_* NaN). ``sweep_best_ms`` is the lowest sweep median among the candidates (NaN if none)."""
+    from lab import gate
     timed = df[~compile_only_mask(df)]
-    ok = timed[(timed["status"] == "ok") & timed["time_ms"].notna()]
-    sweep = ok[ok["phase"] == "sweep"]
-    if sweep.empty:
-        return sweep.assign(sweep_best_ms=pd.Series(dtype=float), **{v: pd.Series(dtype=float)
-                                                                      for v in CONFIRM_COLS.values()})
-    best = sweep.loc[sweep.groupby(KEYS)["time_ms"].idxmin()]
-    conf = ok[ok["phase"] == "confirm"]
-    top = {tuple(r[KEYS]): r for _, r in conf.loc[conf.groupby(KEYS)["time_ms"].idxmin()].iterrows()} \
-        if not conf.empty else {}
-    all_confirmed = {g: all(tuple(k) in top for k in gb[KEYS].itertuples(index=False))
-                     for g, gb in best.groupby(GROUP)}
+    ok = timed[(timed["status"] == "ok") & timed["time_ms"].notna() & timed["phase"].isin(("sweep", "confirm"))]
+    empty = {"sweep_best_ms": pd.Series(dtype=float), "fresh": pd.Series(dtype=bool)} \
+        | {v: pd.Series(dtype=float) for v in CONFIRM_COLS.values()}
+    if ok.empty:
+        return ok.assign(**empty)
+    fresh = gate.Freshness().mask(ok)
+    has_fresh = fresh.groupby([ok[k] for k in KEYS], dropna=False).transform("any").astype(bool)
+    ok = ok[fresh | ~has_fresh]
     rows = []
-    for _, r in best.iterrows():
-        key = tuple(r[KEYS])
-        row = r.to_dict() | {v: float("nan") for v in CONFIRM_COLS.values()}
-        c = top.get(key) if all_confirmed[key[:len(GROUP)]] else None
-        if c is not None:
-            same = sweep[(sweep[KEYS] == pd.Series(key, index=KEYS)).all(axis=1)
-                         & (sweep["config_json"] == c["config_json"])]
+    for _, g in ok.groupby(KEYS, sort=True):
+        sweep, conf = g[g["phase"] == "sweep"], g[g["phase"] == "confirm"]
+        if conf.empty:
+            row = sweep.loc[sweep["time_ms"].idxmin()].to_dict() | {v: float("nan") for v in CONFIRM_COLS.values()}
+        else:
+            c = conf.loc[conf["time_ms"].idxmin()]
+            same = sweep[sweep["config_json"] == c["config_json"]]
             # The code that the confirm timed: its own run's row, else the newest row before it.
             own = same[same["run_id"] == c["run_id"]]
             before = same[same["time_utc"] <= c["time_utc"]]
             same = next((x for x in (own, before, same) if not x.empty), same).sort_values("time_utc")
             row = (same.iloc[-1] if not same.empty else c).to_dict()
             row |= {v: c[k] for k, v in CONFIRM_COLS.items()}
-        rows.append(row | {"sweep_best_ms": r["time_ms"]})
+        rows.append(row | {"sweep_best_ms": sweep["time_ms"].min() if not sweep.empty else float("nan"),
+                           "fresh": bool(fresh[g.index[0]])})
     return pd.DataFrame(rows)
 
 
@@ -92,22 +94,25 @@ def _reference_lane(g: pd.DataFrame) -> tuple[pd.Series, str]:
 
 
 def with_ratios(best: pd.DataFrame) -> pd.DataFrame:
-    """Adds the headline timing (A/B confirm when every lane of the shape has one, else the sweep; ms),
-    the rates at that timing, ``ratio_to_baseline`` (reference time / lane time: > 1 is faster than the
-    reference), the FASTER / SLOWER / SAME verdict ``vs_baseline``, and which lane is the reference:
-    ``ratio_ref`` (its DSL) and ``ratio_kind`` ("baseline": a library baseline; "fastest": the fastest
-    lane, where the baseline lane is a slow reference or absent). ``is_reference`` marks such a lane."""
+    """Adds each row's headline timing (ms): its A/B confirm where ``best_per_dsl`` found one, else its
+    sweep trial (``timing_source`` "A/B confirm" or "sweep"), the rates at that timing,
+    ``ratio_to_baseline`` (reference time / lane time: > 1 is faster than the reference), the
+    FASTER / SLOWER / SAME verdict ``vs_baseline``, and which lane is the reference: ``ratio_ref`` (its
+    DSL) and ``ratio_kind`` ("baseline": a library baseline; "fastest": the fastest lane, where the
+    baseline lane is a slow reference or absent). ``is_reference`` marks such a lane."""
     from lab import registry
     if best.empty:
         return best.assign(**{c: pd.Series(dtype=object) for c in HEAD_COLS})
     out = []
     for _, g in best.groupby(GROUP):
         g = g.copy()
-        use_confirm = g["confirm_ms"].notna().all()
-        src = ("confirm_ms", "confirm_q1_ms", "confirm_q3_ms", "confirm_ci_half_ms", "confirm_n") if use_confirm \
-            else ("time_ms", "time_q1_ms", "time_q3_ms", "time_ci_half_ms", "samples")
-        g["head_ms"], g["head_q1_ms"], g["head_q3_ms"], g["head_ci_half_ms"], g["head_n"] = (g[c] for c in src)
-        g["timing_source"] = "A/B confirm" if use_confirm else "sweep"
+        confirmed = g["confirm_ms"].notna()
+        for head, c_col, s_col in (("head_ms", "confirm_ms", "time_ms"), ("head_q1_ms", "confirm_q1_ms", "time_q1_ms"),
+                                   ("head_q3_ms", "confirm_q3_ms", "time_q3_ms"),
+                                   ("head_ci_half_ms", "confirm_ci_half_ms", "time_ci_half_ms"),
+                                   ("head_n", "confirm_n", "samples")):
+            g[head] = g[c_col].where(confirmed, g[s_col]).astype(float)
+        g["timing_source"] = confirmed.map({True: "A/B confirm", False: "sweep"})
         scale = g["time_ms"] / g["head_ms"]  # rates scale inversely with time
         for c in ("tflops", "gbs", "pct_peak_tflops"):
             g[f"head_{c}"] = g[c] * scale
@@ -206,23 +211,21 @@ def _device_section(dev, emu, kernel, g: pd.DataFrame, best: pd.DataFrame) -> li
 
 def _shape_table(shape, gs: pd.DataFrame, bs: pd.DataFrame, counts: pd.DataFrame) -> list[str]:
     dims = json.loads(gs["shape_json"].iloc[0])
-    source = bs["timing_source"].iloc[0] if not bs.empty else "sweep"
     if bs.empty:
         ref_label = "baseline"
     else:
         ref_label = f"{bs['ratio_kind'].iloc[0]} ({bs['ratio_ref'].iloc[0]})"
     lines = [f"### {shape} `{' '.join(f'{k}={v}' for k, v in dims.items())}`", "",
-             f"| DSL | median ms ({source}) | IQR ms | n | sweep best ms | TFLOP/s | % peak | GB/s | vs {ref_label} "
+             f"| DSL | median ms | IQR ms | n | timing | sweep best ms | TFLOP/s | % peak | GB/s | vs {ref_label} "
              f"| ratio | SMEM B: estimate / compiled ({gs['preflight_target'].iloc[0]}) / launched "
              f"({gs['compile_target'].iloc[0]}) | regs | spills | parity rel_l2 (tol) | config |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for _, r in bs.sort_values("head_ms").iterrows():
         smem = " / ".join(_fmt(r.get(c), ",.0f") for c in ("smem_estimate_bytes", "smem_compiled_bytes", "smem_launched_bytes"))
-        name = r["dsl"] + (" (reference)" if r["is_reference"] else "")
         lines.append(
-            f"| {name} | {_fmt(r['head_ms'], '.4f')} | {_fmt(r['head_q3_ms'] - r['head_q1_ms'], '.4f')} | "
-            f"{_fmt(r['head_n'], '.0f')} | {_fmt(r['sweep_best_ms'], '.4f')} | {_fmt(r['head_tflops'], '.1f')} | "
-            f"{_fmt(r['head_pct_peak_tflops'], '.1f')} | {_fmt(r['head_gbs'], '.0f')} | "
+            f"| {_lane_name(r)} | {_fmt(r['head_ms'], '.4f')} | {_fmt(r['head_q3_ms'] - r['head_q1_ms'], '.4f')} | "
+            f"{_fmt(r['head_n'], '.0f')} | {r['timing_source']} | {_fmt(r['sweep_best_ms'], '.4f')} | "
+            f"{_fmt(r['head_tflops'], '.1f')} | {_fmt(r['head_pct_peak_tflops'], '.1f')} | {_fmt(r['head_gbs'], '.0f')} | "
             f"{r['vs_baseline']} | {_fmt(r['ratio_to_baseline'], '.3f')} | {smem} | "
             f"{_fmt(r.get('registers'), '.0f')} | {_fmt(r.get('spills'), '.0f')} | "
             f"{_fmt(r['parity_rel_l2'], '.2e')} ({_fmt(r['tol_rel_l2'], 'g')}) | {_config_text(r['config_json'], r['is_reference'])} |")
@@ -231,13 +234,13 @@ def _shape_table(shape, gs: pd.DataFrame, bs: pd.DataFrame, counts: pd.DataFrame
     ran = set(gs.loc[gs["status"] == "ok", "dsl"]) | set(bs["dsl"])
     idle = gs[gs["phase"].isin(NOT_RUN_PHASES) & ~gs["dsl"].isin(ran)]
     for _, r in idle.sort_values("time_utc").drop_duplicates("dsl", keep="last").sort_values("dsl").iterrows():
-        lines.append(f"| {r['dsl']} |" + " - |" * 13 + f" {r['error']} |")
+        lines.append(f"| {r['dsl']} |" + " - |" * 14 + f" {r['error']} |")
     if shape in counts.index:
         c = counts.loc[shape]
         lines += ["", "Trials by status: " + "; ".join(
             f"{dsl}: " + ", ".join(f"{s} {int(n)}" for s, n in row.items() if n) for dsl, row in c.iterrows())]
     if not bs.empty:
-        lines.append(_timing_note(bs, source))
+        lines.append(_timing_note(bs))
     lines += _worst_parity(gs[gs["status"] == "ok"])
     drift = gs["clock_drift"].fillna(False).astype(bool).sum()
     if drift:
@@ -246,7 +249,13 @@ def _shape_table(shape, gs: pd.DataFrame, bs: pd.DataFrame, counts: pd.DataFrame
     return lines
 
 
-def _timing_note(bs: pd.DataFrame, source: str) -> str:
+def _lane_name(r) -> str:
+    return (r["dsl"] + (" (reference)" if r["is_reference"] else "")
+            + ("" if r.get("fresh", True) else " (older code)"))
+
+
+def _timing_note(bs: pd.DataFrame) -> str:
+    """What the table's timings and ratios are: which lanes from which A/B confirm run, which from the sweep."""
     kind, ref = bs["ratio_kind"].iloc[0], bs["ratio_ref"].iloc[0]
     if kind == "baseline":
         what = f"ratio = baseline ({ref}) time / lane time"
@@ -255,15 +264,20 @@ def _timing_note(bs: pd.DataFrame, source: str) -> str:
         why = (f"the {', '.join(refs)} lane is a slow reference, not a library baseline" if refs
                else "no library baseline in this table")
         what = f"ratio = fastest lane ({ref}) time / lane time; {why}"
-    if source == "A/B confirm":
-        runs = sorted(set(bs["confirm_run"].dropna()))
-        where = (f"each DSL's best A/B-confirmed config ({', '.join(runs)}"
-                 + ("; lanes from different confirm runs were not interleaved with each other" if len(runs) > 1 else "")
-                 + ")")
-    else:
-        where = "sweep rows (not every lane has an A/B confirm here: each DSL's best sweep trial)"
-    return (f"Timing and ratios from: {where}; {what}; verdict by IQR overlap. "
-            f"Sweep best = the DSL's lowest sweep median over all runs.")
+    conf = bs[bs["timing_source"] == "A/B confirm"]
+    swept = sorted(bs.loc[bs["timing_source"] != "A/B confirm", "dsl"])
+    parts = []
+    if not conf.empty:
+        runs = conf.groupby("confirm_run")["dsl"].agg(lambda d: ", ".join(sorted(d)))
+        parts.append("A/B confirm, each lane's best: " + "; ".join(f"{dsls} in run {run}" for run, dsls in runs.items())
+                     + (" (lanes from different confirm runs were not interleaved with each other)" if len(runs) > 1 else ""))
+    if swept:
+        parts.append(f"sweep, each lane's best trial (no A/B confirm among its rows): {', '.join(swept)}")
+    older = sorted(bs.loc[~bs["fresh"].astype(bool), "dsl"]) if "fresh" in bs else []
+    rows_of = ("A lane's rows are those of today's lane code and toolchain, or all its rows where it has none"
+               + (f" (marked older code: {', '.join(older)})" if older else "") + ".")
+    return (f"Timing and ratios from: {'; '.join(parts)}; {what}; verdict by IQR overlap. {rows_of} "
+            f"Sweep best = the lane's lowest sweep median among its rows.")
 
 
 def _compile_only_section(summary: pd.DataFrame) -> list[str]:

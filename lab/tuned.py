@@ -56,24 +56,13 @@ def entries(df: pd.DataFrame, device: str) -> list[dict]:
     ok = gate.ok_rows(df)
     ok = ok[ok["requested_profile"] == device] if not ok.empty else ok
     out = []
-    current = {}
-    pins = gate.pinned_toolchain()
-    fresh_of: dict = {}
-
-    def is_fresh(module: str, row: pd.Series) -> bool:
-        key = (module, row["versions_json"], str(row["git_commit"]), bool(row["git_dirty"]))
-        if key not in fresh_of:
-            fresh_of[key] = not any(gate.row_changes(row, module, current[module], pins))
-        return fresh_of[key]
-
+    freshness = gate.Freshness()
     for (kernel, dsl, shape), rows in ok.groupby(["kernel", "dsl", "shape"], sort=True):
         lane = registry.get(dsl, kernel)
         module = lane.module_name
-        if module not in current:
-            current[module] = identity.lane_identity(module)
         # Rows of the checkout's code and toolchain first: an older confirm does not outrank them; else
         # rows of configs today's lane can run.
-        fresh = rows[[is_fresh(module, row) for _, row in rows.iterrows()]]
+        fresh = rows[freshness.mask(rows)]
         r, timing = _pick(fresh if not fresh.empty else _runnable(rows, lane))
         versions = json.loads(r["versions_json"] or "{}")
         measured = gate.measured_identity(module, versions, str(r["git_commit"]), bool(r["git_dirty"]))
@@ -87,7 +76,7 @@ def entries(df: pd.DataFrame, device: str) -> list[dict]:
             "compile_target": r["compile_target"],
             "toolchain": {k: v for k, v in sorted(versions.items()) if k not in ("lane_sha", "lane_code", "lane_files", "lane_hash")},
             "lane_files": measured["lane_files"] if measured else None,
-            "fresh": is_fresh(module, r),
+            "fresh": freshness.fresh(r),
         })
     return out
 

@@ -1,6 +1,7 @@
 """Result rows (schema, atomic per-row writes, load) and the report built from them."""
 from __future__ import annotations
 
+import functools
 import json
 
 import pandas as pd
@@ -15,6 +16,23 @@ def _row(**kw):
                baseline=False, requested_profile="h100", actual_gpu="H100", samples_ms=[1.0, 1.1])
     row.update(kw)
     return row
+
+
+@functools.lru_cache(maxsize=None)
+def _today(kernel="gemm", dsl="triton") -> str:
+    """versions_json of a row that measured the checkout's lane code with today's harness (``gate.Freshness``)."""
+    import lab
+    from lab import identity, registry
+    return json.dumps({"lab": lab.__version__, **identity.lane_identity(registry.get(dsl, kernel).module_name)})
+
+
+@functools.lru_cache(maxsize=None)
+def _older(kernel="gemm", dsl="triton") -> str:
+    """versions_json of a row that measured an older version of the lane's code (one file differs)."""
+    v = json.loads(_today(kernel, dsl))
+    first = sorted(v["lane_files"])[0]
+    v["lane_files"][first] = "0" * 16
+    return json.dumps(v)
 
 
 def test_writer_rewrites_atomically_and_load_concats(tmp_path):
@@ -49,16 +67,17 @@ def test_report_best_per_dsl_ratio_and_verdict(tmp_path):
     from lab.report import best_per_dsl, with_ratios, write
     from lab.results import RunWriter
     w = RunWriter(tmp_path / "h100" / "gemm", "run")
-    w.add(_row(dsl="torch", baseline=True, config_json="{}", time_ms=1.0, time_q1_ms=0.98, time_q3_ms=1.02, tflops=100.0))
-    w.add(_row(time_ms=0.8, time_q1_ms=0.79, time_q3_ms=0.81, tflops=125.0, config_json='{"BLOCK_M": 64}'))
-    w.add(_row(time_ms=0.9, time_q1_ms=0.89, time_q3_ms=0.91, config_json='{"BLOCK_M": 128}'))
-    w.add(_row(time_ms=None, status="timeout", config_json='{"BLOCK_M": 256}'))
+    w.add(_row(dsl="torch", baseline=True, config_json="{}", time_ms=1.0, time_q1_ms=0.98, time_q3_ms=1.02, tflops=100.0,
+               versions_json=_today("gemm", "torch")))
+    w.add(_row(time_ms=0.8, time_q1_ms=0.79, time_q3_ms=0.81, tflops=125.0, config_json='{"BLOCK_M": 64}', versions_json=_today()))
+    w.add(_row(time_ms=0.9, time_q1_ms=0.89, time_q3_ms=0.91, config_json='{"BLOCK_M": 128}', versions_json=_today()))
+    w.add(_row(time_ms=None, status="timeout", config_json='{"BLOCK_M": 256}', versions_json=_today()))
     best = with_ratios(best_per_dsl(pd.read_parquet(w.path)))
     tri = best[best["dsl"] == "triton"].iloc[0]
     assert json.loads(tri["config_json"]) == {"BLOCK_M": 64}
     assert tri["ratio_to_baseline"] == pytest.approx(1.25) and tri["vs_baseline"] == "FASTER"
     md = write(tmp_path).read_text()
-    assert "| triton | 0.8000 |" in md and "FASTER" in md and "timeout 1" in md
+    assert "| triton | 0.8000 |" in md and "FASTER" in md and "timeout 1" in md and "older code" not in md
     assert (tmp_path / "report" / "gemm_h100_tflops.png").stat().st_size > 1000
     assert (tmp_path / "report" / "gemm_h100_ratio.png").exists()
 
@@ -75,10 +94,11 @@ def test_report_marks_emulated(tmp_path):
 
 
 def _write(tmp_path, rows, run="run", device="h100", kernel="gemm"):
+    """Rows of one run; each measured today's lane code unless it sets ``versions_json`` (see _older)."""
     from lab.results import RunWriter
     w = RunWriter(tmp_path / device / kernel, run)
     for r in rows:
-        w.add(_row(run_id=run, kernel=kernel, **r))
+        w.add(_row(run_id=run, kernel=kernel, **{"versions_json": _today(kernel, r.get("dsl", "triton")), **r}))
     return w.path
 
 
@@ -179,17 +199,75 @@ def test_report_headline_columns_come_from_the_confirmed_run(tmp_path):
     assert tri["confirm_run"] == "r3" and tri["run_id"] == "r1" and tri["registers"] == 242
 
 
-def test_report_sweep_timed_table_shows_best_sweep_trials(tmp_path):
-    """A shape where one lane has no A/B confirm is timed from the sweep: each DSL's best sweep trial, even
-    where the DSL has an (older, slower) confirmed config."""
-    from lab.report import best_per_dsl
+def _t(ms):
+    return {"time_ms": ms, "time_q1_ms": ms * 0.995, "time_q3_ms": ms * 1.005}
+
+
+CONFIRM = dict(phase="confirm", trial=-1)
+
+
+def test_report_lane_without_a_confirm_shows_its_sweep_best_beside_the_others_confirms(tmp_path):
+    """One lane has no A/B confirm: it shows its best sweep trial, marked "sweep"; the lanes with a confirm
+    keep it (the table is not switched to sweep timings), and the note says which is which."""
+    from lab.report import best_per_dsl, with_ratios, write
     from lab.results import load
-    _write(tmp_path, [dict(config_json='{"BLOCK_M": 64}', time_ms=3.0),
-                      dict(config_json='{"BLOCK_M": 64}', time_ms=3.0, phase="confirm", trial=-1),
-                      dict(config_json='{"BLOCK_M": 128}', time_ms=1.0),
-                      dict(dsl="cute", config_json="{}", time_ms=2.0)])
-    best = best_per_dsl(load(tmp_path)).set_index("dsl")
-    assert best.loc["triton", "config_json"] == '{"BLOCK_M": 128}' and best["confirm_ms"].isna().all()
+    _write(tmp_path, [dict(dsl="torch", baseline=True, config_json="{}", **_t(4.0)),
+                      dict(dsl="torch", baseline=True, config_json="{}", **CONFIRM, **_t(4.0)),
+                      dict(config_json='{"BLOCK_M": 64}', **_t(3.0)),
+                      dict(config_json='{"BLOCK_M": 64}', **CONFIRM, **_t(3.0)),
+                      dict(config_json='{"BLOCK_M": 128}', **_t(1.0)),
+                      dict(dsl="cute", config_json="{}", **_t(2.0))], run="r1")
+    best = with_ratios(best_per_dsl(load(tmp_path))).set_index("dsl")
+    tri, cute = best.loc["triton"], best.loc["cute"]
+    assert tri["timing_source"] == "A/B confirm" and tri["head_ms"] == pytest.approx(3.0)
+    assert tri["config_json"] == '{"BLOCK_M": 64}' and tri["sweep_best_ms"] == pytest.approx(1.0)
+    assert cute["timing_source"] == "sweep" and cute["head_ms"] == pytest.approx(2.0) and pd.isna(cute["confirm_ms"])
+    assert best.loc["torch", "timing_source"] == "A/B confirm"
+    assert tri["ratio_to_baseline"] == pytest.approx(4.0 / 3.0) and cute["ratio_to_baseline"] == pytest.approx(2.0)
+    md = write(tmp_path).read_text()
+    assert "| cute | 2.0000 | 0.0200 | - | sweep | 2.0000 |" in md
+    assert "| triton | 3.0000 | 0.0300 | - | A/B confirm | 1.0000 |" in md
+    assert "A/B confirm, each lane's best: torch, triton in run r1; sweep, each lane's best trial" in md
+    assert "(no A/B confirm among its rows): cute;" in md
+
+
+def test_report_headline_is_todays_code_not_a_faster_confirm_of_older_code(tmp_path):
+    """A faster confirm of an older version of the lane's code does not stand for today's lane: the
+    headline and the sweep best come from the rows of today's code."""
+    from lab.report import best_per_dsl, with_ratios, write
+    from lab.results import load
+    base = dict(dsl="torch", baseline=True, config_json="{}")
+    _write(tmp_path, [dict(**base, time_utc="2026-01-01T00:00:00Z", **_t(1.0)),
+                      dict(time_utc="2026-01-01T00:00:01Z", versions_json=_older(), **_t(0.4)),
+                      dict(**base, time_utc="2026-01-01T00:01:00Z", **CONFIRM, **_t(1.0)),
+                      dict(time_utc="2026-01-01T00:01:00Z", versions_json=_older(), **CONFIRM, **_t(0.5))], run="old")
+    _write(tmp_path, [dict(time_utc="2026-02-01T00:00:01Z", **_t(0.8)),
+                      dict(**base, time_utc="2026-02-01T00:01:00Z", **CONFIRM, **_t(1.0)),
+                      dict(time_utc="2026-02-01T00:01:00Z", **CONFIRM, **_t(0.9))], run="new")
+    best = with_ratios(best_per_dsl(load(tmp_path))).set_index("dsl")
+    tri = best.loc["triton"]
+    assert tri["head_ms"] == pytest.approx(0.9) and tri["confirm_run"] == "new" and tri["fresh"]
+    assert tri["sweep_best_ms"] == pytest.approx(0.8) and tri["run_id"] == "new"
+    md = write(tmp_path).read_text()
+    assert "| triton | 0.9000 |" in md and "older code" not in md
+
+
+def test_report_lane_with_only_older_code_rows_shows_them_marked(tmp_path):
+    """A lane with no row of today's code is judged on all its rows, and its table row says so."""
+    from lab.report import best_per_dsl, with_ratios, write
+    from lab.results import load
+    _write(tmp_path, [dict(dsl="torch", baseline=True, config_json="{}", **_t(1.0)),
+                      dict(dsl="torch", baseline=True, config_json="{}", **CONFIRM, **_t(1.0)),
+                      dict(versions_json=_older(), **_t(0.7)),
+                      dict(versions_json=_older(), **CONFIRM, **_t(0.8))])
+    best = with_ratios(best_per_dsl(load(tmp_path))).set_index("dsl")
+    tri = best.loc["triton"]
+    assert not tri["fresh"] and best.loc["torch", "fresh"]
+    assert tri["head_ms"] == pytest.approx(0.8) and tri["timing_source"] == "A/B confirm"
+    assert tri["sweep_best_ms"] == pytest.approx(0.7)
+    md = write(tmp_path).read_text()
+    assert "| triton (older code) | 0.8000 |" in md and "| torch | 1.0000 |" in md
+    assert "(marked older code: triton)" in md
 
 
 def test_report_of_a_compile_only_sweep(tmp_path):
@@ -233,7 +311,7 @@ def test_a_test_lanes_rows_stay_out_of_report_gate_and_export(tmp_path):
     from lab.report import write
     from lab.results import RunWriter, load
     w = RunWriter(tmp_path / "h200" / "gemm", "run")
-    w.add(_row(requested_profile="h200", time_ms=0.8, time_q1_ms=0.79, time_q3_ms=0.81))
+    w.add(_row(requested_profile="h200", time_ms=0.8, time_q1_ms=0.79, time_q3_ms=0.81, versions_json=_today()))
     w.add(_row(requested_profile="h200", dsl="faults", time_ms=0.1, config_json='{"FAULT": "none"}'))
     df = load(tmp_path)
     assert set(gate.ok_rows(df)["dsl"]) == {"triton"}
