@@ -779,7 +779,7 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
 
 
 def _signatures(shape: dict) -> dict:
-    """Argument types of the four kernels for an ahead-of-time compile."""
+    """Argument types of each kernel of ``kernels`` (keyed by name) for an ahead-of-time compile."""
     e, f = f"*{_TL[shape['dtype']]}", "*fp32"
     dims = dict(S="i32", H="i32", G="i32", NC="i32")
     scan = dict(Q=e, QB=f, COS=f, SIN=f, DA=f, DOUT=e, PHI=f, Z=e, ZETA=f, DS=e, CARRY=f, DECAY=f, **dims)
@@ -797,7 +797,7 @@ _FNS = {"angles": _angles, "scan_local": _scan, "scan": _scan, "key": _chunk_k, 
 
 
 def compile_kernel(name: str, config: dict, shape: dict, target: str) -> dict:
-    """One kernel of ``kernels`` ("scan_local", "scan", "key", "value", "reduce") for ``target`` (no GPU)."""
+    """One kernel of ``kernels`` ("angles", "scan_local", "scan", "key", "value", "reduce") for ``target`` (no GPU)."""
     config = {**DEFAULTS, **config}
     return _common.aot(_FNS[name], _signatures(shape)[name], _kernel_consts(config, shape)[name], target,
                        **_launch_opts(config)[name])
