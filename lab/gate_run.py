@@ -5,9 +5,11 @@ against the same previous code) or never measured on this device (the present pr
 profile named with --device, emulated), the stale shapes are re-swept: the previous committed best
 config is enqueued first, then a bounded number of new trials. Then, per shape, the previous best
 (its config run by the code it was measured with: the lane's files at that row's git commit, copied
-by ``identity.materialize``) and the new best (the checkout) are timed in one interleaved A/B run,
-and the ratio new / previous with its 95% interval gives FASTER / SAME / SLOWER. Exit 1 on SLOWER
-or on any wrong result in the re-sweep.
+by ``identity.materialize``) and the new best (the checkout) are timed interleaved, twice: once with
+the previous lane first and once with the checkout's first (built, warmed up and listed first), each
+half of the time budget, and each side's samples pooled over both (``ab_counterbalanced``). The ratio
+new / previous of the pooled medians with its 95% interval gives FASTER / SAME / SLOWER. Exit 1 on
+SLOWER or on any wrong result in the re-sweep.
 """
 from __future__ import annotations
 
@@ -44,6 +46,28 @@ class Verdict:
         r, lo, hi = self.ratio
         return (f"{head}: previous {self.previous_ms:.4f} ms -> new {self.new_ms:.4f} ms, ratio {r:.3f} "
                 f"(95% CI {lo:.3f}-{hi:.3f}): {self.word}")
+
+
+# Time budget of each of the two A/B halves (ms, samples): together what one A/B run had.
+AB_TIMING = {"budget_ms": 3000.0, "min_time_ms": 250.0, "min_samples": 25}
+
+
+def ab_counterbalanced(runner, task: dict, timeout_s: float) -> dict:
+    """``task`` (kind abab, lanes [previous, checkout]) run twice, the second time with the lanes in the
+    other order, and each lane's samples pooled: [previous samples, checkout samples]. A lane's place in
+    the task (which is built, allocated and warmed up first, and is index 0 of the interleaving) then
+    weighs on both sides alike. One order alone judged one binary against itself SLOWER: the Triton
+    M2RNN backward at ragged_h0, 1.012 and 1.014 with the previous code's copy first (runs
+    20261127T114855Z-m2rnn_bwd-h100-3097 and 20261127T141146Z-m2rnn_bwd-h100-2125)."""
+    halves = []
+    for lanes in (task["lanes"], task["lanes"][::-1]):
+        result = runner.run({**task, "lanes": lanes, "timing": AB_TIMING}, timeout_s)
+        if result.get("status") != "ok":
+            return result
+        halves.append(result)
+    first, swapped = halves
+    return {"status": "ok", "stop": f"{first.get('stop', '')}+{swapped.get('stop', '')}",
+            "samples": [first["samples"][0] + swapped["samples"][1], first["samples"][1] + swapped["samples"][0]]}
 
 
 def judge(previous: list[float], new: list[float]) -> tuple[str, tuple[float, float, float]]:
@@ -172,9 +196,8 @@ def refresh(df: pd.DataFrame, present: PresentGPU | None, *, devices: list[str] 
             cache = preflight.lane_cache_env(lane, sw.mode.run_target)
             task = {"kind": "abab", "kernel": e.kernel, "shape": dict(sw.shapes_all[shape]), "seed": 7,
                     "l2_bytes": sw.l2_bytes, "lanes": [(prev_dsl, json.loads(prev[shape]["config_json"]), cache),
-                                                       (e.dsl, json.loads(best["config_json"]), cache)],
-                    "timing": {"budget_ms": 6000.0, "min_time_ms": 500.0, "min_samples": 50}}
-            result = ab_runner.run(task, timeout_s * 2)
+                                                       (e.dsl, json.loads(best["config_json"]), cache)]}
+            result = ab_counterbalanced(ab_runner, task, timeout_s * 2)
             if result.get("status") != "ok":
                 out(f"{e.kernel} {e.dsl} {e.device} {shape}: A/B failed: {result.get('status')}: "
                     f"{str(result.get('error', ''))[:200]}")

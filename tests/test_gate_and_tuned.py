@@ -381,11 +381,12 @@ SIM_BEST = {"MODE": "ok", "SMEM_KB": 16, "SPEED": 1, "ESTIMATE_BIAS_KB": 0}
 class ABRunner:
     """Sweep trials as the sim lane's MODE says (tests.test_sweep_engine.SimRunner); A/B runs import
     every lane they are given (as the worker does) and return samples scaled by ``slowdown`` for the
-    checkout's lane."""
+    checkout's lane (dsl "sim", in whichever place the task lists it) and by ``first`` for the lane
+    listed first (a bias of the place, not of the code)."""
 
-    def __init__(self, slowdown: float):
+    def __init__(self, slowdown: float, first: float = 1.0):
         from tests.test_sweep_engine import SimRunner
-        self.sim, self.slowdown, self.ab_lanes = SimRunner(), slowdown, []
+        self.sim, self.slowdown, self.first, self.ab_lanes = SimRunner(), slowdown, first, []
 
     def run(self, task, timeout_s):
         if task.get("kind") != "abab":
@@ -394,7 +395,9 @@ class ABRunner:
         for dsl, _, _ in task["lanes"]:
             assert registry.get(dsl, task["kernel"]).module.KERNEL == "gemm"
         base = [1.0 + 0.001 * (i % 7) for i in range(60)]
-        return {"status": "ok", "samples": [base, [x * self.slowdown for x in base]], "stop": "test"}
+        return {"status": "ok", "stop": "test",
+                "samples": [[x * (self.slowdown if dsl == "sim" else 1.0) * (self.first if i == 0 else 1.0) for x in base]
+                            for i, (dsl, _, _) in enumerate(task["lanes"])]}
 
     def close(self):
         pass
@@ -437,6 +440,28 @@ def test_gate_run_ab_against_the_previous_code(lab_env, slowdown, word, status):
     # unless the A/B judged today's code SLOWER: then the gate keeps failing on it.
     entries = gate.evaluate(after, devices=["h100"], kernels=["gemm"], dsls=["sim"])
     assert {e.status for e in entries} == {"slower" if word == "SLOWER" else "fresh"}
+
+
+def test_gate_run_ab_runs_both_orders_so_a_place_bias_judges_nothing(lab_env):
+    """Identical code, but the lane listed first in an A/B task times 2% faster (its place: built, allocated
+    and warmed up first): with the previous lane always first this read as SLOWER; the A/B runs once in
+    each order and pools each lane's samples, and the verdict is SAME."""
+    from lab import gate_run
+    from tests.test_sweep_engine import present_h100
+    registry._LANES.clear()
+    files = dict(identity.lane_identity("tests.fake_lanes.sim.gemm")["lane_files"])
+    files["tests/fake_lanes/sim/gemm.py"] = "edited-since"
+    df = _committed_sim_row(lab_env, SIM_BEST, files)
+    lines, runner = [], ABRunner(1.0, first=0.98)
+    rc = gate_run.refresh(df, present_h100(), kernels=["gemm"], dsls=["sim"], trials=0, results_dir=lab_env.results,
+                          runner=runner, out=lines.append)
+    text = "\n".join(lines)
+    assert rc == 0 and ": SAME" in text, text
+    prev_dsl = runner.ab_lanes[0][0]
+    assert runner.ab_lanes == [[prev_dsl, "sim"], ["sim", prev_dsl]]
+    rows = results.load(lab_env.results)
+    gate_rows = rows[rows["phase"].isin(["gate_previous", "gate_checkout"])]
+    assert (gate_rows["samples"] == 120).all()      # both halves' samples, each side
 
 
 def test_a_slower_verdict_fails_the_gate_until_an_ab_at_the_same_code_clears_it(lab_env):
@@ -500,7 +525,7 @@ def test_gate_run_shape_rechecks_a_fresh_entry(lab_env):
                           results_dir=lab_env.results, runner=runner, out=lines.append)
     text = "\n".join(lines)
     assert rc == 0 and "gemm sim h100 tiny: previous" in text and ": SAME" in text, text
-    assert runner.ab_lanes == [["sim", "sim"]]  # unchanged code: the checkout's lane on both sides
+    assert runner.ab_lanes == [["sim", "sim"]] * 2  # unchanged code: the checkout's lane on both sides, both orders
     with pytest.raises(LabError, match="unknown shape 'nope'"):
         gate_run.refresh(df, present_h100(), kernels=["gemm"], dsls=["sim"], shapes=["nope"], runner=runner)
 
@@ -568,11 +593,12 @@ def test_gate_run_times_todays_fastest_row_not_only_this_runs(lab_env):
     runner = ABRunner(1.0)
     seen = []
     run = runner.run
-    runner.run = lambda task, t: (seen.append(task["lanes"][1][1]) if task.get("kind") == "abab" else None) or run(task, t)
+    runner.run = lambda task, t: (seen.append({d: c for d, c, _ in task["lanes"]}["sim"]) if task.get("kind") == "abab"
+                                  else None) or run(task, t)
     lines = []
     assert gate_run.refresh(df, present_h100(), kernels=["gemm"], dsls=["sim"], shapes=["tiny"], trials=0,
                             results_dir=lab_env.results, runner=runner, out=lines.append) == 0, lines
-    assert seen == [registry.get("sim", "gemm").full_config(fast)], lines
+    assert seen == [registry.get("sim", "gemm").full_config(fast)] * 2, lines    # the A/B in both orders
 
 
 def test_a_previous_best_at_a_retired_precision_knob_is_not_the_bar():
