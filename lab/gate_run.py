@@ -56,7 +56,7 @@ def ab_counterbalanced(runner, task: dict, timeout_s: float) -> dict:
     """``task`` (kind abab, lanes [previous, checkout]) run twice, the second time with the lanes in the
     other order, and each lane's samples pooled: [previous samples, checkout samples]. A lane's place in
     the task (which is built, allocated and warmed up first, and is index 0 of the interleaving) then
-    weighs on both sides alike. One order alone judged one binary against itself SLOWER: the Triton
+    weighs on both sides alike. One order alone judged unchanged kernel code SLOWER than itself: the Triton
     M2RNN backward at ragged_h0, 1.012 and 1.014 with the previous code's copy first (runs
     20261127T114855Z-m2rnn_bwd-h100-3097 and 20261127T141146Z-m2rnn_bwd-h100-2125)."""
     halves = []

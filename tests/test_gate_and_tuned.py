@@ -395,9 +395,9 @@ class ABRunner:
         for dsl, _, _ in task["lanes"]:
             assert registry.get(dsl, task["kernel"]).module.KERNEL == "gemm"
         base = [1.0 + 0.001 * (i % 7) for i in range(60)]
-        return {"status": "ok", "stop": "test",
-                "samples": [[x * (self.slowdown if dsl == "sim" else 1.0) * (self.first if i == 0 else 1.0) for x in base]
-                            for i, (dsl, _, _) in enumerate(task["lanes"])]}
+        scale = [(self.slowdown if dsl == "sim" else 1.0) * (self.first if i == 0 else 1.0)
+                 for i, (dsl, _, _) in enumerate(task["lanes"])]
+        return {"status": "ok", "stop": "test", "samples": [[x * k for x in base] for k in scale]}
 
     def close(self):
         pass
