@@ -56,9 +56,8 @@ def ab_counterbalanced(runner, task: dict, timeout_s: float) -> dict:
     """``task`` (kind abab, lanes [previous, checkout]) run twice, the second time with the lanes in the
     other order, and each lane's samples pooled: [previous samples, checkout samples]. A lane's place in
     the task (which is built, allocated and warmed up first, and is index 0 of the interleaving) then
-    weighs on both sides alike. One order alone judged unchanged kernel code SLOWER than itself: the Triton
-    M2RNN backward at ragged_h0, 1.012 and 1.014 with the previous code's copy first (runs
-    20261127T114855Z-m2rnn_bwd-h100-3097 and 20261127T141146Z-m2rnn_bwd-h100-2125)."""
+    weighs on both sides alike (in one order, unchanged kernel code was judged SLOWER than itself; the
+    runs are named in README.md, "gate --run")."""
     halves = []
     for lanes in (task["lanes"], task["lanes"][::-1]):
         result = runner.run({**task, "lanes": lanes, "timing": AB_TIMING}, timeout_s)
@@ -140,13 +139,11 @@ def refresh(df: pd.DataFrame, present: PresentGPU | None, *, devices: list[str] 
     for e in entries:
         rows = ok[(ok["kernel"] == e.kernel) & (ok["dsl"] == e.dsl) & (ok["requested_profile"] == e.device)] \
             if not ok.empty else ok
-        module = registry.get(e.dsl, e.kernel).module_name
-        current, pins = identity.lane_identity(module), gate.pinned_toolchain()
-        today_mask = [not any(gate.row_changes(r, module, current, pins)) for _, r in rows.iterrows()]
-        today = rows[today_mask] if not rows.empty else rows
+        today_mask = gate.Freshness().mask(rows)
+        today = rows[today_mask]
         if e.status == "slower" and not rows.empty:
             # The bar stays the code the SLOWER verdict compared with, not today's rows of the re-checked lane.
-            rows = rows[[not t for t in today_mask]]
+            rows = rows[~today_mask]
         prev = _previous_best(rows) if not rows.empty else {}
         todo = e.stale_shapes or space.load_shapes(e.kernel)[1]
         out(f"gate --run: {e.kernel} {e.dsl} {e.device}: {e.status}; re-sweeping {', '.join(todo)}")
