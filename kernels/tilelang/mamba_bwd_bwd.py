@@ -140,7 +140,7 @@ def _pass_configs(config: dict, kernel: str) -> dict:
 
 
 # The scan's T.Pipelined copies, in the order its prologue first touches them (TileLang 0.1.15).
-_SCAN_PIPELINED = ("st_raw", "ang_raw", "q_raw", "do_raw", "z_raw", "da_raw")
+_SCAN_PIPELINED = ("ang_raw", "q_raw", "do_raw", "z_raw", "da_raw")
 # Config keys that change the shared buffers (or their alignment) of each kernel.
 _SMEM_KEYS = {"chunk": ("threads", "global_tables", "stage_out", "paired_tiles"),
               "scan": ("scan_block_N", "scan_block_P", "scan_stages", "scan_threads")}
@@ -150,10 +150,9 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
     """Dynamic shared memory per CTA of the largest of the three kernels (the chunk kernel or the
     scan), bytes, without compiling: TileLang's planner replayed on each kernel's own program
     (kernels/tilelang/_smem_plan.py): the chunk kernel at statement granularity (aggressive merge),
-    the scan with every buffer live across its chunk loop (the merge is off there), its pipelined
-    copies times scan_stages and the reduction workspace of its DDA row sums (scan_threads * 4 bytes;
-    none on sm_90 when a single warpgroup holds the wgmma accumulator: its rows never cross warps).
-    Tested equal to the compiler for sm_90a and sm_121a (tests/test_tilelang_mamba.py)."""
+    the scan with every buffer live across its chunk loop (the merge is off there) and its pipelined
+    copies times scan_stages. Tested equal to the compiler for sm_90a and sm_121a
+    (tests/test_tilelang_mamba.py)."""
     c = {**DEFAULTS, **config}
     shape_key = tuple(sorted(shape.items()))
     return max(_planned(k, tuple(c[x] for x in _SMEM_KEYS[k]), shape_key, target) for k in _SMEM_KEYS)
@@ -166,10 +165,7 @@ def _planned(kernel: str, key: tuple, shape_key: tuple, target: str) -> int:
     if kernel == "chunk":
         return smem_plan.planned_bytes(program, target, True,
                                        reduce_workspace=4 * config["threads"])
-    threads = config["scan_threads"]
-    one_warpgroup_wgmma = tl.cc(target) == 90 and threads == 128 and config["scan_block_N"] % 64 == 0
-    return smem_plan.planned_bytes(program, target, False, {n: max(config["scan_stages"], 1) for n in _SCAN_PIPELINED},
-                                   None if one_warpgroup_wgmma else ("ds_s", [threads * 4]))
+    return smem_plan.planned_bytes(program, target, False, {n: max(config["scan_stages"], 1) for n in _SCAN_PIPELINED})
 
 
 # --------------------------------------------------------------------------------------------
@@ -255,8 +251,7 @@ def _scan_program(config: dict, shape: dict, local: bool = False):
              ANGLES: T.Tensor((B, S, H, nr), F32), DA_CS: T.Tensor((B, H, S), F32),
              DOUT: T.Tensor(dout_shape, dtype), Z: T.Tensor((B, S, H, P), dtype),
              MIMO_O: T.Tensor((H, R, P), F32), MIMO_Z: T.Tensor((H, R, P), F32),
-             STATES: T.Tensor((B, H, nc, N, P), "bfloat16"), DSTATES: T.Tensor((B, H, nc, N, P), dtype),
-             DDA_PART: T.Tensor((B, H, tiles, bn, nc), F32), CARRY: T.Tensor((B, H, K, N, P), F32),
+             DSTATES: T.Tensor((B, H, nc, N, P), dtype), CARRY: T.Tensor((B, H, K, N, P), F32),
              SEG_DECAY: T.Tensor((B, H, K), F32)):
         with T.Kernel(H, B, tiles * grid_segments, threads=threads) as (h, b, bz):
             hq = h // (H // G)
@@ -282,13 +277,10 @@ def _scan_program(config: dict, shape: dict, local: bool = False):
             dy_s = T.alloc_shared((F, bp), dtype)
             ds_f = T.alloc_fragment((bn, bp), F32)
             if not local:
-                st_raw = T.alloc_shared((bn, bp), "bfloat16")
                 ds_s = T.alloc_shared((bn, bp), dtype)
-                # ds_s is written and st_raw read in the dS accumulator's fragment layout: row-major, rows of
-                # bp * 2 bytes put the 8 rows a warp touches at once in one bank (ncu, H100: 9.3-way store conflicts).
-                T.annotate_layout({buf: tilelang.layout.make_swizzled_layout(buf) for buf in (ds_s, st_raw)})
-                prod_f = T.alloc_fragment((bn, bp), F32)
-                row_f = T.alloc_fragment((bn,), F32)
+                # ds_s is written in the dS accumulator's fragment layout: row-major, rows of bp * 2 bytes
+                # put the 8 rows a warp touches at once in one bank (ncu, H100: 9.3-way store conflicts).
+                T.annotate_layout({ds_s: tilelang.layout.make_swizzled_layout(ds_s)})
             else:
                 log_decay = T.alloc_fragment((1,), F32)
                 T.clear(log_decay)
@@ -317,18 +309,9 @@ def _scan_program(config: dict, shape: dict, local: bool = False):
                 if hasZ:
                     T.copy(Z[b, c * C:(c + 1) * C, h, p0:p0 + bp], z_raw)
                 if not local:
-                    T.copy(STATES[b, h, c, n0:n0 + bn, p0:p0 + bp], st_raw)
-                    # dS_c out (bf16 GEMM operand for the chunk kernel) and its DDA partial from the fp32
-                    # dS (a bf16 dS loses the cancellation in sum(S * dS)).
+                    # dS_c out: the chunk kernel's GEMM operand, and its DDA factor (sum(S_c * dS_c), there)
                     T.copy(ds_f, ds_s)
                     T.copy(ds_s, DSTATES[b, h, c, n0:n0 + bn, p0:p0 + bp])
-                    for i, j in T.Parallel(bn, bp):
-                        prod_f[i, j] = ds_f[i, j] * T.cast(st_raw[i, j], F32)
-                    # the tile's bn row sums go out as they are, summed in the reduce kernel: a sum over
-                    # the rows here is one more cross-warp reduction (barriers) in every serial step
-                    T.reduce_sum(prod_f, row_f, dim=1)
-                    for i in T.Parallel(bn):
-                        DDA_PART[b, h, tile, i, c] = row_f[i]
                 else:
                     for i in T.Parallel(1):
                         log_decay[i] = log_decay[i] + da_raw[C - 1]
@@ -512,7 +495,8 @@ def _chunk_signature(shape: dict):
         SEGSUM=T.Tensor((B, H, nc, C, C), F32), DOUT=T.Tensor(dout_shape, dtype),
         DSTATES=T.Tensor((B, H, nc, N, P), dtype), DQ=T.Tensor((B, S * R, H, N), dtype),
         DK=T.Tensor((B, S * R, H, N), dtype), DV=T.Tensor((B, S, H, P), dtype), DANGLES=T.Tensor((B, S, H, nr), F32),
-        DFACTOR=T.Tensor((B, H, S), F32), DGAMMA_DIAG=T.Tensor((B, H, S), F32), DDA_CS=T.Tensor((B, H, S), F32),
+        DFACTOR=T.Tensor((B, H, S), F32), DGAMMA_DIAG=T.Tensor((B, H, S), F32), DDA=T.Tensor((B, H, S), F32),
+        DDA_CS=T.Tensor((B, H, S), F32),
         DDA_CS_REV=T.Tensor((B, H, S), F32), DSSDA=T.Tensor((B, H, nc, C, C), F32),
         DMV_PART=T.Tensor((B, H, nc, R, P), F32), DD_PART=T.Tensor((B, H, nc), F32))
 
@@ -581,6 +565,25 @@ def _chunk_program(config: dict, shape: dict):
         else:
             T.copy(X[b, h, c, 0:half, :], lo_s)
             T.copy(X[b, h, c, half:N, :], hi_s)
+
+    @T.macro
+    def state_decay_grad(b, h, c, t0, DSTATES, DA_CS, DDA, st_lo, st_hi, dda_f, dda_row, dda_one, dda_s):
+        """DDA on the chunk's steps: exp(DA_CS at its last step) * sum(S_c * dS_c), S_c from the row tiles
+        (as state_rows laid them out) and dS_c read again (bf16: the DDA tolerance covers its rounding,
+        lab/problems/mamba_bwd_bwd.py), so that the scan reads no STATES."""
+        if paired:
+            for x, p in T.Parallel(W, P):
+                src = (x // (2 * blk)) * blk + x % blk + ((x // blk) % 2) * half
+                dda_f[x, p] = T.cast(st_lo[x, p], F32) * T.cast(DSTATES[b, h, c, src, p], F32)
+        else:
+            for x, p in T.Parallel(W, P):
+                dda_f[x, p] = T.cast(st_lo[x, p], F32) * T.cast(DSTATES[b, h, c, x, p], F32) + \
+                    T.cast(st_hi[x, p], F32) * T.cast(DSTATES[b, h, c, half + x, p], F32)
+        T.reduce_sum(dda_f, dda_row, dim=1)
+        T.reduce_sum(dda_row, dda_one, dim=0)
+        T.copy(dda_one, dda_s)
+        for t in T.Parallel(C):
+            DDA[b, h, t0 + t] = dda_s[0] * T.exp(DA_CS[b, h, t0 + C - 1])
 
     @T.macro
     def gemm_tiles(A, B_lo, B_hi, O_lo, O_hi, transpose_A, transpose_B, clear):
@@ -665,7 +668,7 @@ def _chunk_program(config: dict, shape: dict):
               ANGLES: sig["ANGLES"], DA_CS: sig["DA_CS"], DA_CS_REV: sig["DA_CS_REV"], DT: sig["DT"],
               TRAP: sig["TRAP"], STATES: sig["STATES"], QK_DOT: sig["QK_DOT"], SEGSUM: sig["SEGSUM"],
               DOUT: sig["DOUT"], DSTATES: sig["DSTATES"], DQ: sig["DQ"], DK: sig["DK"], DV: sig["DV"],
-              DANGLES: sig["DANGLES"], DFACTOR: sig["DFACTOR"], DGAMMA_DIAG: sig["DGAMMA_DIAG"],
+              DANGLES: sig["DANGLES"], DFACTOR: sig["DFACTOR"], DGAMMA_DIAG: sig["DGAMMA_DIAG"], DDA: sig["DDA"],
               DDA_CS: sig["DDA_CS"], DDA_CS_REV: sig["DDA_CS_REV"], DSSDA: sig["DSSDA"],
               DMV_PART: sig["DMV_PART"], DD_PART: sig["DD_PART"]):
         with T.Kernel(nc, H, B, threads=threads) as (c, h, b):
@@ -694,6 +697,7 @@ def _chunk_program(config: dict, shape: dict):
             gam_s = T.alloc_shared((C,), F32)
             fac_s = T.alloc_shared((C,), F32)
             erf_s = T.alloc_shared((C,), F32)
+            dda_s = T.alloc_shared((1,), F32)
             seg_s = None if config["global_tables"] else T.alloc_shared((C, C), F32)
             cos_s = None if config["global_tables"] else T.alloc_shared((C, nr), F32)
             sin_s = None if config["global_tables"] else T.alloc_shared((C, nr), F32)
@@ -713,6 +717,9 @@ def _chunk_program(config: dict, shape: dict):
             row_f = T.alloc_fragment((F,), F32)
             cc_f = T.alloc_fragment((C, C), F32)
             ang_f = T.alloc_fragment((C, nr), F32)
+            dda_f = T.alloc_fragment((W, P), F32)
+            dda_row = T.alloc_fragment((W,), F32)
+            dda_one = T.alloc_fragment((1,), F32)
 
             m["step_tables"](b, h, c, t0, DA_CS, DA_CS_REV, DT, TRAP, SEGSUM, ANGLES, QK_DOT, ea_s, er_s, gam_s,
                              fac_s, seg_s, cos_s, sin_s, qkd_s)
@@ -777,6 +784,7 @@ def _chunk_program(config: dict, shape: dict):
 
             # ---- dq_hat = exp(DA_CS) dy S_c^T + masked dkq^T k_hat; DDA_CS, DQ, DANGLES
             state_rows(STATES, b, h, c, st_lo, st_hi)
+            state_decay_grad(b, h, c, t0, DSTATES, DA_CS, DDA, st_lo, st_hi, dda_f, dda_row, dda_one, dda_s)
             gemm_tiles(dy_s, st_lo, st_hi, lo_f, hi_f, False, True, True)
             pair_row_sum(lo_f, hi_f, qh_lo, qh_hi, None, tmp_f, row_f, rows_s, DDA_CS, b, t0, h)
             scale_rows(lo_f, hi_f, ea_s)
@@ -790,23 +798,15 @@ def _chunk_program(config: dict, shape: dict):
 
 
 def _reduce_program(config: dict, shape: dict):
-    """Grid (H, B): DDA for every step (the scan tiles' row sums summed, times exp(DA_CS) at the chunk's
-    last step), DMIMO_V and DD summed over the chunks; every output element has its own thread (no
+    """Grid (H, B): DMIMO_V and DD summed over the chunks; every output element has its own thread (no
     serial walk over the chunks across elements), deterministic (no atomics)."""
     B, S, H, G, N, P, R, C, nc, nr, F = _dims(shape)
     hasD = shape["hasD"]
-    tiles, bn = _scan_tiles(config, shape), config["scan_block_N"]
 
     @T.prim_func
     def reduce(DMV_PART: T.Tensor((B, H, nc, R, P), F32), DD_PART: T.Tensor((B, H, nc), F32),
-               DDA_PART: T.Tensor((B, H, tiles, bn, nc), F32), DA_CS: T.Tensor((B, H, S), F32),
-               DMIMO_V: T.Tensor((B, H, R, P), F32), DD: T.Tensor((B, H), F32), DDA: T.Tensor((B, H, S), F32)):
+               DMIMO_V: T.Tensor((B, H, R, P), F32), DD: T.Tensor((B, H), F32)):
         with T.Kernel(H, B, threads=256) as (h, b):
-            dda_s = T.alloc_shared((nc,), F32)
-            for c in T.Parallel(nc):
-                dda_s[c] = _step_sum([DDA_PART[b, h, k // bn, k % bn, c] for k in range(tiles * bn)])
-            for c, t in T.Parallel(nc, C):
-                DDA[b, h, c * C + t] = dda_s[c] * T.exp(DA_CS[b, h, c * C + C - 1])
             acc = T.alloc_fragment((R, P), F32)
             T.clear(acc)
             for r, p in T.Parallel(R, P):
@@ -905,24 +905,21 @@ def build(config: dict, shape: dict):
                         dmv=torch.empty(B, H, nc, R, P, dtype=torch.float32, device=dev),
                         dd=torch.zeros(B, H, nc, dtype=torch.float32, device=dev),
                         dd_out=torch.empty(B, H, dtype=torch.float32, device=dev),
-                        dda=torch.empty(B, H, _scan_tiles(config, shape), config["scan_block_N"], nc,
-                                        dtype=torch.float32, device=dev),
                         carry=torch.empty(B, H, segments, N, P, dtype=torch.float32, device=dev),
                         decay=torch.empty(B, H, segments, dtype=torch.float32, device=dev))
         i, o = inputs, outputs
         z, mo, mz, d = i["Z"], i["MIMO_O"], i["MIMO_Z"], i["D"]
-        scan_args = (i["Q"], i["Q_BIAS"], i["ANGLES"], i["DA_CS"], i["DOUT"], z, mo, mz, i["STATES"], work["ds"],
-                     work["dda"], work["carry"], work["decay"])
+        scan_args = (i["Q"], i["Q_BIAS"], i["ANGLES"], i["DA_CS"], i["DOUT"], z, mo, mz, work["ds"], work["carry"],
+                     work["decay"])
         if segments > 1:
             kernels["scan_local"](*scan_args)
         kernels["scan"](*scan_args)
         kernels["chunk"](i["Q"], i["K"], i["V"], i["Q_BIAS"], i["K_BIAS"], i["MIMO_V"], mo, mz, z, d,
                          i["ANGLES"], i["DA_CS"], i["DA_CS_REV"], i["DT"], i["TRAP"], i["STATES"], i["QK_DOT"],
                          i["SEGSUM"], i["DOUT"], work["ds"], o["DQ"], o["DK"], o["DV"], o["DANGLES"],
-                         o["DFACTOR"], o["DGAMMA_DIAG"], o["DDA_CS"], o["DDA_CS_REV"], o["DSSDA"], work["dmv"],
-                         work["dd"])
-        kernels["reduce"](work["dmv"], work["dd"], work["dda"], i["DA_CS"], o["DMIMO_V"],
-                          o["DD"] if shape["hasD"] else work["dd_out"], o["DDA"])
+                         o["DFACTOR"], o["DGAMMA_DIAG"], o["DDA"], o["DDA_CS"], o["DDA_CS_REV"], o["DSSDA"],
+                         work["dmv"], work["dd"])
+        kernels["reduce"](work["dmv"], work["dd"], o["DMIMO_V"], o["DD"] if shape["hasD"] else work["dd_out"])
         return info
     return run
 
