@@ -7,22 +7,24 @@ every dS_c is known, each chunk's work (about ten GEMMs and all the elementwise 
 
 1. ``scan``: grid (H, B, N/scan_block_N * P/scan_block_P). Each CTA walks the chunks in reverse
    for one (block_N x block_P) tile of dS, writing dS_c (bf16, the GEMM operand dtype upstream uses
-   too) to a workspace [B, H, nc, N, P], and its tile's part of sum(S_c * dS_c) from the fp32 dS
-   (DDA: a bf16 dS loses the cancellation in that sum). Per step: the chunk's raw Q rows, angles,
-   DOUT, Z and STATES tile are copied into shared memory (cp.async, ``scan_stages`` steps ahead), then
+   too) to a workspace [B, H, nc, N, P]; it reads no STATES. Per step: the chunk's raw Q rows, angles,
+   DOUT and Z are copied into shared memory (cp.async, ``scan_stages`` steps ahead), then
    the q_hat tile (bias + rotary) and the dy tile (Phi, SiLU gate, exp(DA_CS)) are built there and
    fed to one GEMM. Tiling N and P gives B*H*tiles CTAs instead of B*H. The scan never takes the
    aggressive shared-memory merge (see ``_pass_configs``).
 2. ``chunk``: grid (nc, H, B), one CTA per chunk: all outputs except the cross-chunk sums, plus
-   per-chunk partials of DMIMO_V [B,H,nc,R,P] and DD [B,H,nc] (workspaces). The same-step R x R terms
+   per-chunk partials of DMIMO_V [B,H,nc,R,P] and DD [B,H,nc] (workspaces). DDA = exp(DA_CS at the
+   chunk's last step) * sum(S_c * dS_c) comes from the S_c tile it already stages and the bf16 dS_c
+   (that rounding costs DDA ~1.6e-3 rel_l2, inside its tolerance: tests/test_mamba_reference.py).
+   The same-step R x R terms
    (QK_DOT into dPsiV, dqk into DK and DQ) ride in block-diagonal F x F operands of tensor-core GEMMs,
    and DD is the trace of PsiV dy^T, which the dkq GEMM already holds. Only q_hat and rot(k) live in
    shared memory, in N/2-column halves, and the rotary gradients are done in registers (see
    ``_chunk_program``); dPsiV is staged in the input dtype and k_hat.q_hat recomputed for DSSDA
    instead of kept. Compiled for two CTAs per SM (__launch_bounds__; registers capped at
    65536 / (2 threads)): two are resident only if the shared memory fits too.
-3. ``reduce``: grid (H, B): DDA on every step, DMIMO_V and DD summed over chunks (deterministic, no
-   atomics), one thread per output element.
+3. ``reduce``: grid (H, B): DMIMO_V and DD summed over chunks (deterministic, no atomics), one
+   thread per output element.
 
 With ``scan_segments`` K > 1 the scan runs K ranges of chunks at once: a local pass (``scan_local``)
 runs ranges 1..K-1 from dS = 0 and leaves each range's partial dS and decay, then each scan CTA
