@@ -1,8 +1,9 @@
 """The re-sweep gate: which (kernel, DSL, device profile) results no longer describe the checkout.
 
-For every entry that has committed results, or that ``sweeps/gate.toml`` requires, the newest ok row
-of each shape is compared with the checkout: the lane's code identity (``lab.identity``: the lane
-module and the kernels/ modules it imports, docstrings and comments stripped), the harness version
+For every entry that has committed results, or that ``sweeps/gate.toml`` requires, the ok rows of
+each shape are compared with the checkout (a shape is fresh when any of them matches it; the newest
+row names what changed): the lane's code identity (``lab.identity``: the lane module and the
+kernels/ modules it imports, docstrings and comments stripped), the harness version
 (``lab.__version__``) and the pinned toolchain (pyproject.toml). Rows written before identities were
 recorded are judged by the lane's identity rebuilt at the row's git commit. No GPU is needed.
 
@@ -238,14 +239,14 @@ def slower_verdicts(rows: pd.DataFrame, module: str, current: dict, pins: dict,
     if rows.empty or "phase" not in rows:
         return {}
     ab = rows[rows["phase"] == "gate_checkout"]
+    ab = ab[[not any(row_changes(r, module, current, pins)) for _, r in ab.iterrows()]] if not ab.empty else ab
     out = {}
     for _, r in newest_per_shape(ab).iterrows():
         # An A/B against a previous best of another precision (``cross_precision``: (run id, shape) of
         # such gate_previous rows) compared precisions, not code.
         if (str(r["run_id"]), r["shape"]) in cross_precision:
             continue
-        if str(r["study"]).startswith("gate SLOWER") and r["shape"] and \
-                not any(row_changes(r, module, current, pins)):
+        if str(r["study"]).startswith("gate SLOWER") and r["shape"]:
             out[r["shape"]] = str(r["run_id"])
     return out
 
@@ -259,13 +260,24 @@ def _evaluate(entry: Entry, rows: pd.DataFrame, module: str, current: dict, pins
         return
     files: set[str] = set()
     others: list[str] = []
-    for _, r in newest_per_shape(rows).iterrows():
-        code, other = row_changes(r, module, current, pins)
-        if code or other:
-            entry.stale_shapes.append(r["shape"])
+    memo: dict = {}
+
+    def changes(r: pd.Series) -> tuple[set[str], list[str]]:
+        key = (r["versions_json"], str(r["git_commit"]), bool(r["git_dirty"]))
+        if key not in memo:
+            memo[key] = row_changes(r, module, current, pins)
+        return memo[key]
+
+    for _, g in rows.sort_values("time_utc").groupby("shape", sort=True):
+        entry.emulated = entry.emulated or bool(g["emulated"].any())
+        # A shape is fresh when any of its rows measured the checkout's code: a newer row of other code
+        # (a branch measured beside this checkout with LAB_BRANCH) does not make today's rows stale.
+        if any(not any(changes(r)) for _, r in g.iloc[::-1].iterrows()):
+            continue
+        code, other = changes(g.iloc[-1])
+        entry.stale_shapes.append(g.iloc[-1]["shape"])
         files |= code
         others += [c for c in other if c not in others]
-        entry.emulated = entry.emulated or bool(r["emulated"])
     entry.stale_shapes.sort()
     missing = sorted(set(unmeasured) - set(entry.stale_shapes))
     if not entry.stale_shapes and not missing:

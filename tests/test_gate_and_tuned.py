@@ -211,6 +211,20 @@ def test_gate_changed_helper_is_stale_with_the_command(repo, capsys):
     assert "stale: lane code gatepkg/toy/_helper.py" in out and "->  python -m lab sweep gemm" in out
 
 
+def test_a_newer_row_of_other_code_leaves_the_checkouts_rows_fresh(repo):
+    """A branch measured beside the checkout (LAB_BRANCH) writes newer rows of other code: the shape stays
+    fresh while a row of the checkout's code exists, and turns stale when none does."""
+    branch = _row("toy", commit=repo.head, time_utc="2026-11-25T10:00:00Z")
+    versions = json.loads(branch["versions_json"])
+    versions["lane_files"] = {**versions["lane_files"], "gatepkg/toy/gemm.py": "a-branch's-code"}
+    branch["versions_json"] = json.dumps(versions)
+    df = _write(repo, [_row("toy", commit=repo.head), branch])
+    assert _entries(df)[("toy", "h100")].status == "fresh"
+    only_branch = _write(repo, [branch])
+    e = _entries(only_branch[only_branch["time_utc"] == "2026-11-25T10:00:00Z"])[("toy", "h100")]
+    assert e.status == "stale" and "lane code gatepkg/toy/gemm.py" in e.changes[0]
+
+
 def test_gate_changed_toolchain_pin_and_harness(repo):
     df = _write(repo, [_row("toy", commit=repo.head)])
     (repo.path / "pyproject.toml").write_text(PYPROJECT.replace("toolkit==1.0", "toolkit==1.1"))
@@ -219,7 +233,8 @@ def test_gate_changed_toolchain_pin_and_harness(repo):
     old = _row("toy", commit=repo.head)
     old["versions_json"] = json.dumps({**json.loads(old["versions_json"]), "lab": "0.0.1"})
     (repo.path / "pyproject.toml").write_text(PYPROJECT)
-    e = _entries(_write(repo, [{**old, "time_utc": "2026-11-25T00:00:00Z"}]))[("toy", "h100")]
+    both = _write(repo, [{**old, "time_utc": "2026-11-25T00:00:00Z"}])
+    e = _entries(both[both["time_utc"] == "2026-11-25T00:00:00Z"])[("toy", "h100")]
     assert e.status == "stale" and f"harness 0.0.1 -> {lab.__version__}" in e.changes
 
 
