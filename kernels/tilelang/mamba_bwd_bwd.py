@@ -37,7 +37,7 @@ elementwise math and every partial in fp32.
 Tunables (values and rules: sweeps/mamba_bwd_bwd/tilelang.toml):
   scan_segments       ranges of chunks the scan walks at once (above)
   threads             threads of the chunk kernel (128 / 256)
-  scan_threads        threads of the scan kernel (128 / 256 / 512)
+  scan_threads        threads of the scan kernel (128 / 256)
   scan_block_N/P      dS tile of one scan CTA (divides N / P). Smaller tiles give more CTAs (what
                       B*H = 32 needs) but recompute q_hat per P tile and dy per N tile
   scan_stages         T.Pipelined stages of the scan's chunk loop (0: no software pipelining)
