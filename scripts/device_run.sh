@@ -5,7 +5,11 @@
 # image lacks: optuna and its needs, see README "Running on the GPU machine"); when the DSL parts of
 # ../shared/gpu/pack.sh were unpacked on this warm machine, /opt/labsite/env.sh is sourced too.
 # results/ is packed into $OUT/results.tgz after every command (also after a failing one).
+# LAB_CMD_TIMEOUT=<s> limits each command; LAB_CALL_BUDGET=<s> limits the whole call (the device tool's own
+# limit, e.g. 600): each command then gets at most what is left of it, less the margin the stop and the
+# packing need, and a command with nothing left is skipped, so that the last results.tgz is always written.
 set -uo pipefail
+SECONDS=0
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 LAB_CACHE_DIR="${LAB_CACHE_DIR:-/tmp/labcache}"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -57,7 +61,18 @@ for cmd in "$@"; do
   # campaign's killed sweep left its workers) would hold a pipe open and block the script forever
   # (2026-11-25: a call lost to its limit that way, rows and all); the log part is printed after.
   start=$(wc -c < "$OUT/log.txt")
-  timeout -k 30 -s INT "${LAB_CMD_TIMEOUT:-0}" "${run[@]}" $cmd $extra >> "$OUT/log.txt" 2>&1 < /dev/null
+  limit="${LAB_CMD_TIMEOUT:-0}"
+  if [ -n "${LAB_CALL_BUDGET:-}" ]; then
+    # 45 s margin: up to 30 s between the INT and the KILL of `timeout -k 30`, then the packing below.
+    left=$((LAB_CALL_BUDGET - SECONDS - 45))
+    if [ "$left" -lt 10 ]; then
+      echo "=== [$i] skipped: ${SECONDS} s of the call's ${LAB_CALL_BUDGET} s budget are spent" | tee -a "$OUT/log.txt"
+      rc=124
+      continue
+    fi
+    if [ "$limit" -eq 0 ] || [ "$limit" -gt "$left" ]; then limit=$left; fi
+  fi
+  timeout -k 30 -s INT "$limit" "${run[@]}" $cmd $extra >> "$OUT/log.txt" 2>&1 < /dev/null
   r=$?
   tail -c +$((start + 1)) "$OUT/log.txt"
   echo "=== [$i] exit $r" | tee -a "$OUT/log.txt"
