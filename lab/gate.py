@@ -206,26 +206,37 @@ def row_changes(r: pd.Series, module: str, current: dict, pins: dict) -> tuple[s
     return code, version_changes(versions, pins)
 
 
+class RowChanges:
+    """``row_changes`` of one lane's rows, each distinct recorded identity (versions, commit, dirty)
+    worked out once: ``self(row)``."""
+
+    def __init__(self, module: str, current: dict, pins: dict):
+        self.module, self.current, self.pins = module, current, pins
+        self._memo: dict = {}
+
+    def __call__(self, row: pd.Series) -> tuple[set[str], list[str]]:
+        key = (row["versions_json"], str(row["git_commit"]), bool(row["git_dirty"]))
+        if key not in self._memo:
+            self._memo[key] = row_changes(row, self.module, self.current, self.pins)
+        return self._memo[key]
+
+
 class Freshness:
     """``fresh(row)``: the row measured the checkout's lane code with today's harness and toolchain pins
     (``row_changes`` empty), each distinct (lane, recorded identity) worked out once."""
 
     def __init__(self):
-        self._current: dict = {}
         self._pins = pinned_toolchain()
-        self._memo: dict = {}
+        self._lanes: dict[str, RowChanges] = {}
 
     def fresh(self, row: pd.Series) -> bool:
         try:
             module = registry.get(row["dsl"], row["kernel"]).module_name
         except LabError:    # a lane this checkout does not have (a test lane's rows): not today's code
             return False
-        key = (module, row["versions_json"], str(row["git_commit"]), bool(row["git_dirty"]))
-        if key not in self._memo:
-            if module not in self._current:
-                self._current[module] = identity.lane_identity(module)
-            self._memo[key] = not any(row_changes(row, module, self._current[module], self._pins))
-        return self._memo[key]
+        if module not in self._lanes:
+            self._lanes[module] = RowChanges(module, identity.lane_identity(module), self._pins)
+        return not any(self._lanes[module](row))
 
     def mask(self, rows: pd.DataFrame) -> pd.Series:
         return pd.Series([self.fresh(r) for _, r in rows.iterrows()], index=rows.index, dtype=bool)
@@ -239,7 +250,8 @@ def slower_verdicts(rows: pd.DataFrame, module: str, current: dict, pins: dict,
     if rows.empty or "phase" not in rows:
         return {}
     ab = rows[rows["phase"] == "gate_checkout"]
-    ab = ab[[not any(row_changes(r, module, current, pins)) for _, r in ab.iterrows()]] if not ab.empty else ab
+    changes = RowChanges(module, current, pins)
+    ab = ab[[not any(changes(r)) for _, r in ab.iterrows()]] if not ab.empty else ab
     out = {}
     for _, r in newest_per_shape(ab).iterrows():
         # An A/B against a previous best of another precision (``cross_precision``: (run id, shape) of
@@ -260,14 +272,7 @@ def _evaluate(entry: Entry, rows: pd.DataFrame, module: str, current: dict, pins
         return
     files: set[str] = set()
     others: list[str] = []
-    memo: dict = {}
-
-    def changes(r: pd.Series) -> tuple[set[str], list[str]]:
-        key = (r["versions_json"], str(r["git_commit"]), bool(r["git_dirty"]))
-        if key not in memo:
-            memo[key] = row_changes(r, module, current, pins)
-        return memo[key]
-
+    changes = RowChanges(module, current, pins)
     for _, g in rows.sort_values("time_utc").groupby("shape", sort=True):
         entry.emulated = entry.emulated or bool(g["emulated"].any())
         # A shape is fresh when any of its rows measured the checkout's code: a newer row of other code

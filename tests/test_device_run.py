@@ -25,7 +25,7 @@ def test_call_budget_cuts_and_skips_commands_and_keeps_the_packed_results(tmp_pa
         "pathlib.Path('results', sys.argv[1]).write_text('row')\n"
         "time.sleep(60)\n")
     out = tmp_path / "out"
-    env = {**os.environ, "OUT": str(out), "LAB_CALL_BUDGET": "65", "LAB_CMD_TIMEOUT": "0", "PATH": os.environ["PATH"]}
+    env = {**os.environ, "OUT": str(out), "LAB_CALL_BUDGET": "65", "LAB_CMD_TIMEOUT": "0"}
     env.pop("LAB_BRANCH", None)
     t0 = time.monotonic()
     r = subprocess.run(["bash", "scripts/device_run.sh", "scripts/long.py a.txt", "scripts/long.py b.txt"],
