@@ -165,6 +165,24 @@ def ok_rows(df: pd.DataFrame) -> pd.DataFrame:
     return df[keep]
 
 
+def emulated_misfits(rows: pd.DataFrame, lane: registry.Lane, target: str) -> dict:
+    """{row index: reason} for the emulated rows whose config the checkout's lane refuses for ``target``
+    (the emulated profile's): such a row timed a path the profile cannot run (the CuTe DSL GEMM's PATH
+    "auto" chose wgmma on the H100 under a GB10 profile), so it is no bar for that profile's code."""
+    out = {}
+    emulated = rows[rows["emulated"].fillna(False).astype(bool)] if not rows.empty else rows
+    if emulated.empty:
+        return out
+    knobs = set(lane.module.TUNABLES)
+    for i, r in emulated.iterrows():
+        # A knob the lane has since removed is not a refusal (its row stays a bar, timed by its own code).
+        config = {k: v for k, v in json.loads(r["config_json"] or "{}").items() if k in knobs}
+        reason = lane.target_reason(lane.full_config(config), target)
+        if reason:
+            out[i] = reason
+    return out
+
+
 @lru_cache(maxsize=None)
 def _precision_defaults(kernel: str, dsl: str) -> dict:
     """{key: the lane's default} for the keys of the sweep file's [precision.NAME] tables."""

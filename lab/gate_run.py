@@ -23,7 +23,7 @@ from pathlib import Path
 import pandas as pd
 
 from lab import gate, identity, preflight, registry, space, sweep
-from lab.devices import LabError, PresentGPU
+from lab.devices import LabError, PresentGPU, get_profile
 from lab.timing import median_ci, sample_summary
 from lab.worker import WorkerRunner
 
@@ -144,6 +144,11 @@ def refresh(df: pd.DataFrame, present: PresentGPU | None, *, devices: list[str] 
         if e.status == "slower" and not rows.empty:
             # The bar stays the code the SLOWER verdict compared with, not today's rows of the re-checked lane.
             rows = rows[~today_mask]
+        misfits = gate.emulated_misfits(rows, registry.get(e.dsl, e.kernel), get_profile(e.device).target)
+        for shape, g in rows.loc[list(misfits)].groupby("shape"):
+            out(f"{e.kernel} {e.dsl} {e.device} {shape}: {len(g)} emulated row(s) no bar, the lane refuses their "
+                f"config for {get_profile(e.device).target}: {misfits[g.index[0]]}")
+        rows = rows.drop(index=list(misfits))
         prev = _previous_best(rows) if not rows.empty else {}
         todo = e.stale_shapes or space.load_shapes(e.kernel)[1]
         out(f"gate --run: {e.kernel} {e.dsl} {e.device}: {e.status}; re-sweeping {', '.join(todo)}")

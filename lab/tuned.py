@@ -36,14 +36,16 @@ def _pick(rows: pd.DataFrame) -> tuple[pd.Series, str]:
     return pool.sort_values(["time_ms", "time_utc"]).iloc[0], timing
 
 
-def _runnable(rows: pd.DataFrame, lane) -> pd.DataFrame:
-    """The rows whose config names only knobs the checkout's lane still has: a stale row of a removed
-    knob is a config today's code cannot run. All rows when none qualifies or the lane does not import here."""
+def _runnable(rows: pd.DataFrame, lane, device: str) -> pd.DataFrame:
+    """The rows whose config names only knobs the checkout's lane still has (a stale row of a removed
+    knob is a config today's code cannot run) and, emulated, that the lane accepts for the profile's
+    target (``gate.emulated_misfits``). All rows when none qualifies or the lane does not import here."""
     try:
         knobs = set(lane.module.TUNABLES)
     except LabError:
         return rows
     keep = rows[[set(json.loads(c or "{}")) <= knobs for c in rows["config_json"]]]
+    keep = keep.drop(index=list(gate.emulated_misfits(keep, lane, get_profile(device).target)))
     return keep if not keep.empty else rows
 
 
@@ -63,7 +65,7 @@ def entries(df: pd.DataFrame, device: str) -> list[dict]:
         # Rows of the checkout's code and toolchain first: an older confirm does not outrank them; else
         # rows of configs today's lane can run.
         fresh = rows[freshness.mask(rows)]
-        r, timing = _pick(fresh if not fresh.empty else _runnable(rows, lane))
+        r, timing = _pick(fresh if not fresh.empty else _runnable(rows, lane, device))
         versions = json.loads(r["versions_json"] or "{}")
         measured = gate.measured_identity(module, versions, str(r["git_commit"]), bool(r["git_dirty"]))
         dims = json.loads(r["shape_json"] or "{}")

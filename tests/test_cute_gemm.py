@@ -20,10 +20,10 @@ def cfg(**kw):
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CLUSTER_M, CLUSTER_N, PATH) typical of each target.
 _AOT = {
-    "sm_90a": [(128, 256, 64, 4, 1, 1, "auto"), (128, 128, 64, 6, 1, 2, "auto"), (64, 128, 64, 4, 1, 1, "auto"),
-               (128, 256, 64, 3, 2, 1, "wgmma"), (64, 256, 32, 6, 1, 1, "auto"), (128, 128, 32, 4, 1, 1, "mma_sync")],
-    "sm_121a": [(128, 128, 64, 2, 1, 1, "auto"), (128, 128, 32, 5, 1, 1, "auto"), (64, 128, 64, 4, 1, 1, "mma_sync"),
-                (64, 64, 64, 3, 1, 1, "auto"), (128, 64, 32, 3, 1, 1, "auto")],
+    "sm_90a": [(128, 256, 64, 4, 1, 1, "wgmma"), (128, 128, 64, 6, 1, 2, "wgmma"), (64, 128, 64, 4, 1, 1, "wgmma"),
+               (128, 256, 64, 3, 2, 1, "wgmma"), (64, 256, 32, 6, 1, 1, "wgmma"), (128, 128, 32, 4, 1, 1, "mma_sync")],
+    "sm_121a": [(128, 128, 64, 2, 1, 1, "mma_sync"), (128, 128, 32, 5, 1, 1, "mma_sync"), (64, 128, 64, 4, 1, 1, "mma_sync"),
+                (64, 64, 64, 3, 1, 1, "mma_sync"), (128, 64, 32, 3, 1, 1, "mma_sync")],
 }
 
 
@@ -43,21 +43,26 @@ def test_aot_smem_matches_estimate(target, compiled):
     assert not mismatches, mismatches
 
 
-def test_path_follows_target(compiled):
-    """PATH=auto compiles the wgmma kernel for sm_90a and the warp-MMA kernel for sm_121a; the same
-    config asks for 64 B more static shared memory on sm_121a (its reserved window)."""
+def test_path_is_what_the_config_names(compiled):
+    """PATH names the kernel that runs, whatever the target: mma_sync compiles the warp-MMA kernel for
+    sm_90a as for sm_121a (so a GB10 profile emulated on an H100 runs GB10's path), wgmma the warpgroup
+    kernel; the same config asks for 64 B more static shared memory on sm_121a (its reserved window).
+    PATH "auto" (chosen by the GPU present until 2026-11-27) is refused with its reason."""
     c = cfg(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, STAGES=2)
-    h, g = compiled(gemm, c, SQ, "sm_90a"), compiled(gemm, c, SQ, "sm_121a")
-    assert "kernel_wgmma" in h["kernel"] and "kernel_mma" in g["kernel"]
+    w = compiled(gemm, c | {"PATH": "wgmma"}, SQ, "sm_90a")
+    h, g = (compiled(gemm, c | {"PATH": "mma_sync"}, SQ, t) for t in ("sm_90a", "sm_121a"))
+    assert "kernel_wgmma" in w["kernel"] and "kernel_mma" in h["kernel"] and "kernel_mma" in g["kernel"]
     ring = 2 * (128 * 64 + 128 * 64) * 2
-    assert h["smem_dynamic"] == g["smem_dynamic"] == 1024 + ring
+    assert w["smem_dynamic"] == h["smem_dynamic"] == g["smem_dynamic"] == 1024 + ring
     assert g["smem_static"] == h["smem_static"] + 64
+    for target in ("sm_90a", "sm_121a"):
+        assert "'auto' is not a path" in gemm.target_reason(c | {"PATH": "auto"}, target)
 
 
 @pytest.mark.parametrize("target", ["sm_90a", "sm_121a"])
 @pytest.mark.parametrize("shape", [RAGGED, PARITY], ids=["ragged", "parity_fp16"])
 def test_ragged_shapes_compile(target, shape):
-    c = cfg(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, STAGES=2)
+    c = cfg(PATH="wgmma" if target == "sm_90a" else "mma_sync", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, STAGES=2)
     assert gemm.config_reason(c, shape) is None
     got = gemm.compile_for(c, shape, target)
     assert got["smem_bytes"] == gemm.smem_estimate(c, shape, target)
@@ -72,13 +77,13 @@ def test_hopper_path_refused_on_consumer_blackwell():
             gemm.compile_for(c, SQ, target)
     assert gemm.target_reason(c, "sm_90a") is None
     # Clusters need multicast, absent on sm_12x; 128x256 tiles spill on the warp-MMA path.
-    assert "ineligible" in gemm.target_reason(cfg(CLUSTER_M=2), "sm_121a")
-    assert gemm.target_reason(cfg(BLOCK_N=256), "sm_121a")
+    assert "ineligible" in gemm.target_reason(cfg(PATH="mma_sync", CLUSTER_M=2), "sm_121a")
+    assert gemm.target_reason(cfg(PATH="mma_sync", BLOCK_N=256), "sm_121a")
     assert gemm.target_reason(cfg(BLOCK_N=256), "sm_90a") is None
 
 
 def test_oversized_config_is_caught_by_the_estimate_on_sm121a():
-    c = cfg(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, STAGES=4)
+    c = cfg(PATH="mma_sync", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, STAGES=4)
     assert gemm.target_reason(c, "sm_121a") is None
     assert gemm.smem_estimate(c, SQ, "sm_121a") > smem_optin("sm_121a")
     assert gemm.smem_estimate(c, SQ, "sm_90a") <= smem_optin("sm_90a")

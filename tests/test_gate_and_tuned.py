@@ -640,3 +640,36 @@ def test_a_previous_best_at_a_retired_precision_knob_is_not_the_bar():
     assert gate.slower_verdicts(mine, module, current, pins) == {"fp32_k64_v64": "ab-run"}
     assert gate.slower_verdicts(mine, module, current, pins, frozenset({("ab-run", "fp32_k64_v64")})) == {}
     assert len(gate.ok_rows(df.assign(phase="sweep"))) == 1      # the tf32x3 row is not a default-precision row
+
+
+def test_an_emulated_row_of_a_path_the_profile_cannot_run_is_no_bar(lab_env, monkeypatch):
+    """An emulated row whose config today's lane refuses for the profile's target timed a path that
+    device cannot run (the CuTe DSL GEMM's PATH "auto" ran wgmma under the GB10 profile on an H100, runs
+    20261127T155404Z-gemm-gb10-emulated-3723 and after): the gate does not A/B against it, says why, and
+    export skips it; a native row of the same config stays the bar on its own device."""
+    from lab import gate_run
+    from tests.test_sweep_engine import present_h100
+    registry._LANES.clear()
+    df = _committed_sim_row(lab_env, SIM_BEST, {"tests/fake_lanes/sim/gemm.py": "old"})
+    emulated = {**df.iloc[0].to_dict(), "run_id": "emulated", "requested_profile": "gb10", "emulated": True}
+    w = results.RunWriter(lab_env.results / "gb10" / "gemm", "emulated")
+    w.add(emulated)
+    df = results.load(lab_env.results)
+    lane = registry.get("sim", "gemm")
+    monkeypatch.setattr(lane.module, "target_reason",
+                        lambda c, t: "SPEED 1 is an sm_90a path" if t != "sm_90a" and c["SPEED"] == 1 else None)
+    misfits = gate.emulated_misfits(df, lane, "sm_121a")
+    assert list(df.loc[list(misfits), "run_id"]) == ["emulated"] and set(misfits.values()) == {"SPEED 1 is an sm_90a path"}
+    assert gate.emulated_misfits(df, lane, "sm_90a") == {}
+    retired = df.assign(config_json=json.dumps({**SIM_BEST, "SPEED": 2, "GONE": 1}))   # a knob removed since
+    assert gate.emulated_misfits(retired, lane, "sm_121a") == {}
+    lines = []
+    assert gate_run.refresh(df, present_h100(), devices=["gb10"], kernels=["gemm"], dsls=["sim"], trials=1,
+                            results_dir=lab_env.results, runner=ABRunner(1.0), out=lines.append) == 0, lines
+    text = "\n".join(lines)
+    assert "gemm sim gb10 tiny: 1 emulated row(s) no bar, the lane refuses their config for sm_121a: SPEED 1" in text
+    assert "gemm sim gb10 tiny: NEW (new best" in text and "no previous ok row" in text and "A/B" not in text, text
+    # Export: the refused emulated row is not gb10's tuned config where another row qualifies.
+    after = results.load(lab_env.results)
+    [entry] = [e for e in tuned.entries(after, "gb10") if e["dsl"] == "sim"]
+    assert entry["config"]["SPEED"] == 2 and entry["emulated"], entry

@@ -1,6 +1,7 @@
 """CuTe DSL GEMM lane: C[M, N] = A[M, K] @ B[K, N], fp16/bf16 inputs, fp32 accumulation, C in the input dtype.
 
-Two device paths, picked by the tunable ``PATH`` ("auto" picks by target):
+Two device paths, named by the tunable ``PATH`` (a config says which one ran, also when a GB10 profile
+is emulated on an H100, where both compile):
 
   * ``wgmma`` (Hopper, sm_90a only): TMA loads of A and B tiles into a ``STAGES``-deep ring of
     128-byte-swizzled shared buffers guarded by mbarriers, warpgroup MMA (wgmma) reading both operands
@@ -43,7 +44,7 @@ from kernels import _cubin, _launch_smem, _targets
 DSL = "cute"
 KERNEL = "gemm"
 TUNABLES = ("PATH", "BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES", "CLUSTER_M", "CLUSTER_N", "GROUP_M")
-DEFAULTS = {"PATH": "auto", "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 4,
+DEFAULTS = {"PATH": "wgmma", "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 4,
             "CLUSTER_M": 1, "CLUSTER_N": 1, "GROUP_M": 8}
 DTYPES = ("float16", "bfloat16")
 TARGETS = ("sm_90a", "sm_120a", "sm_121a")
@@ -55,10 +56,7 @@ _EPI_N = 32          # epilogue sub-tile width (columns of C stored per TMA stor
 # Pure-Python rules
 # ----------------------------------------------------------------------------------------------
 
-def _path_for(config: dict, target: str) -> str:
-    if config["PATH"] != "auto":
-        return config["PATH"]
-    return "wgmma" if _targets.cc(target) == 90 else "mma_sync"
+PATHS = ("wgmma", "mma_sync")
 
 
 def _epi_tile(path: str, bm: int) -> tuple[int, int]:
@@ -108,7 +106,11 @@ def target_reason(config: dict, target: str) -> str | None:
     reason = eligibility(target)
     if reason:
         return reason
-    path = _path_for(config, target)
+    path = config["PATH"]
+    if path not in PATHS:
+        # Until 2026-11-27 PATH "auto" chose by the GPU present: its GB10-profile rows, emulated on an H100,
+        # ran the wgmma path, which GB10 cannot run.
+        return f"PATH {path!r} is not a path of this lane (have {', '.join(PATHS)})"
     if path == "wgmma" and _targets.cc(target) != 90:
         return f"ineligible: PATH=wgmma requires sm_90a (warpgroup MMA + TMA multicast); target is {target}"
     if _targets.cc(target) >= 120 and config["CLUSTER_M"] * config["CLUSTER_N"] > 1:
@@ -525,7 +527,7 @@ def _compile(config: dict, shape: dict, target: str, options: str):
     from cutlass.cute.typing import AddressSpace
     from cutlass.runtime import make_fake_stream
 
-    path = _path_for(config, target)
+    path = config["PATH"]
     dt = _dtype_cls(shape["dtype"])
     gemm = Gemm(path=path, dtype=dt, M=shape["M"], N=shape["N"], K=shape["K"],
                 tile=(config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]),
