@@ -9,7 +9,7 @@ K x V state (K = 64, V = 16: 4 warps), which lives in registers (fp32 fragments)
    (cp.async, ``num_stages`` buffers), so no step waits on global memory. Per step: the state is cast to
    a bf16 fragment that is the A operand of ``T.gemm`` (with the FullRow warp policy the accumulator
    layout equals the A layout, so the cast is thread-local and nothing on the chain touches shared
-   memory), H W is one 64 x 16 x 16 product (mma.sync; wgmma RS on sm_90a with ``wgmma``), then tanh
+   memory), H W is one 64 x 16 x 16 product (mma.sync on every target, as GB10 runs it), then tanh
    and the gate. No barrier in the step loop (checked in the generated CUDA).
 2. ``bwd``: the segments of CKPT steps, last to first, in a ``T.Pipelined`` loop (the next segment's
    checkpoint, q, k, v, dy and gate are copied by cp.async while this one runs; v and dy travel as int32
@@ -24,7 +24,7 @@ K x V state (K = 64, V = 16: 4 warps), which lives in registers (fp32 fragments)
       serial chain is FMA, MUL, cvt, one MMA. dX and the row sums of G (H_{t-1} - Z_t) (for df) stay in
       registers until the loop ends, then go to shared memory (``dxs``, same layout as hs).
       A shared store inside either step loop makes TileLang's sync planner put a __syncthreads on
-      every step (it cannot tell those stores from the ldmatrix/wgmma reads of W); staging in
+      every step (it cannot tell those stores from the ldmatrix reads of W); staging in
       registers (3-D fragments, fully unrolled loops) is what keeps both loops barrier-free.
    c. one GEMM over the stacked segment, C[(p, i), (p', j)] += sum_{t, r} hs[(t, r), (p, i)]
       dxs[(t, r), (p', j)], accumulated in a fragment over all segments: its diagonal 16 x 16 blocks
@@ -54,8 +54,6 @@ Tunables:
   min_blocks  CTAs per SM the backward is compiled for (__launch_bounds__): caps its registers at
               65536 / (min_blocks * threads); more resident CTAs is what B*N = 336 / 672 needs
   FAST_TANH   tanh.approx.f32 (inline PTX, MUFU) vs tanhf
-  wgmma       sm_90a only: let T.gemm use wgmma (the fence / commit / wait around each 64x16x16
-              product) instead of mma.sync; must stay false on other targets (no wgmma there)
 Operand precision is not a tunable: the bf16 A fragment is what keeps the chain in registers.
 
 Read for the API (TileLang 0.1.15 installed source, read only): tilelang/language/gemm_op.py and
@@ -77,9 +75,8 @@ from lab.problems import _m2rnn as m2
 
 DSL = "tilelang"
 KERNEL = "m2rnn_bwd"
-TUNABLES = ("threads", "CKPT", "CHUNK", "num_stages", "min_blocks", "FAST_TANH", "wgmma")
-DEFAULTS = {"threads": 128, "CKPT": 8, "CHUNK": 64, "num_stages": 2, "min_blocks": 3, "FAST_TANH": True,
-            "wgmma": False}
+TUNABLES = ("threads", "CKPT", "CHUNK", "num_stages", "min_blocks", "FAST_TANH")
+DEFAULTS = {"threads": 128, "CKPT": 8, "CHUNK": 64, "num_stages": 2, "min_blocks": 3, "FAST_TANH": True}
 TARGETS = tl.TARGETS
 BF, F32, I32 = "bfloat16", "float32", "int32"
 # tanh.approx.f32: one MUFU op, ~2^-11 relative error (sm_75+). Plain asm (not volatile): nvcc may schedule it.
@@ -111,18 +108,10 @@ def eligibility(target: str) -> str | None:
     return tl.eligibility(KERNEL, target)
 
 
-def target_reason(config: dict, target: str) -> str | None:
-    c = {**DEFAULTS, **config}
-    if c["wgmma"] and target != "sm_90a":
-        return f"wgmma=true only changes sm_90a (no wgmma on {target}); leave it false there"
-    return None
-
-
 def _pass_configs(config: dict) -> dict:
     # cp.async pipelines, no TMA / producer warps: the copies are small and the CTA is latency bound.
     pc = tl.pass_configs(tma=False, warp_specialized=False, aggressive_smem_merge=False)
-    if not config["wgmma"]:
-        pc[PassConfigKey.TL_DISABLE_WGMMA.value] = True
+    pc[PassConfigKey.TL_DISABLE_WGMMA.value] = True
     return pc
 
 
@@ -136,22 +125,16 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
 
     Backward: W (bf16 V x V); per pipeline stage the checkpoint (fp32 K x V), the segment's q and k
     (bf16 CKPT x K), v and dy (bf16 CKPT x V) and gate (fp32 CKPT); hs and dxs (bf16 CKPT x K x V each);
-    the staged dq and df row sums (fp32 CKPT x K each). With wgmma on sm_90a the dW GEMM's operand
-    tiles start on a 1 KiB boundary and the total is rounded up to 1 KiB (the descriptors' swizzle
-    atoms). Forward: W, and per stage a chunk of k (bf16 CHUNK x K), v (bf16 CHUNK x V) and the gate
+    the staged dq and df row sums (fp32 CKPT x K each). Forward: W, and per stage a chunk of k (bf16 CHUNK x K), v (bf16 CHUNK x V) and the gate
     (fp32 CHUNK). Every buffer 16-byte aligned."""
     c = {**DEFAULTS, **config}
     K, V, L, CH, st = shape["K"], shape["V"], c["CKPT"], c["CHUNK"], c["num_stages"]
     stage = sum(_align(x) for x in (4 * K * V, 2 * L * K, 2 * L * K, 2 * L * V, 2 * L * V, 4 * L))
     head = _align(2 * V * V) + st * stage
     tail = 2 * _align(2 * L * K * V) + 2 * _align(4 * L * K)
-    bwd = _align_to(_align_to(head, 1024) + tail, 1024) if c["wgmma"] and target == "sm_90a" else head + tail
+    bwd = head + tail
     fwd = _align(2 * V * V) + st * (_align(2 * CH * K) + _align(2 * CH * V) + _align(4 * CH))
     return max(bwd, fwd)
-
-
-def _align_to(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
 
 
 # --------------------------------------------------------------------------------------------
@@ -386,8 +369,8 @@ def build(config: dict, shape: dict):
     if reason:
         raise RuntimeError(reason)
     target = tl.device_target()
-    if eligibility(target) or target_reason(config, target):
-        raise RuntimeError(eligibility(target) or target_reason(config, target))
+    if eligibility(target):
+        raise RuntimeError(eligibility(target))
     pc = _pass_configs(config)
     kernels = {name: tilelang.compile(prog(config, shape), target=tl.tvm_target(target), execution_backend="tvm_ffi",
                                       pass_configs=pc) for name, prog in _PROGRAMS.items()}

@@ -30,8 +30,6 @@ Design (TileLang 0.1.15; generated CUDA read with ``lower``, see tests/test_tile
     inputs use bf16x3 (hi.Whi + lo.Whi + hi.Wlo, about fp32 accuracy for the tolerance band).
   * FAST_TANH: tanh.approx.f32 through an inline-PTX device function in the kernel prelude (TileLang
     0.1.15 has no fast tanh intrinsic; T.tanh lowers to tanhf), else tanhf.
-  * WGMMA (sm_90a, 4 warps, 64 rows): let T.gemm lower to wgmma (register A, W in shared memory)
-    instead of mma.sync; wgmma is warpgroup-collective, so the four warps step in lockstep.
 
 Tunables:
   threads     32 / 64 / 128 (1, 2 or 4 warps; each warp needs >= 16 rows of the slab)
@@ -40,7 +38,6 @@ Tunables:
   STAGES      2 / 3 / 4 chunk buffers (prefetch distance STAGES - 1 chunks)
   FAST_TANH   tanh.approx.f32 vs tanhf
   PREC        bf16 / bf16x2 (bf16 inputs); bf16x3 (required for fp32 inputs)
-  WGMMA       false / true (sm_90a only)
 Heads per CTA are not a tunable: warps of one CTA are already independent, and (b, n) pairs share no
 operand but q/k when Nq = Nk = 1, which L2 serves.
 
@@ -61,9 +58,8 @@ from kernels.tilelang import _common as tl
 
 DSL = "tilelang"
 KERNEL = "m2rnn_fwd"
-TUNABLES = ("threads", "K_SPLIT", "CHUNK", "STAGES", "FAST_TANH", "PREC", "WGMMA")
-DEFAULTS = {"threads": 128, "K_SPLIT": 1, "CHUNK": 32, "STAGES": 2, "FAST_TANH": True, "PREC": "bf16",
-            "WGMMA": False}
+TUNABLES = ("threads", "K_SPLIT", "CHUNK", "STAGES", "FAST_TANH", "PREC")
+DEFAULTS = {"threads": 128, "K_SPLIT": 1, "CHUNK": 32, "STAGES": 2, "FAST_TANH": True, "PREC": "bf16"}
 TARGETS = tl.TARGETS
 DTYPES = ("float32", "bfloat16")
 F32 = "float32"
@@ -82,7 +78,7 @@ def _geometry(config: dict, shape: dict) -> dict:
     R = shape["K"] // config["K_SPLIT"]
     warps = config["threads"] // 32
     return {"R": R, "warps": warps, "RW": R // warps if warps else 0,
-            "nc": -(-shape["S"] // config["CHUNK"]), "w_regs": shape["V"] <= 32 and not config["WGMMA"]}
+            "nc": -(-shape["S"] // config["CHUNK"]), "w_regs": shape["V"] <= 32}
 
 
 def config_reason(config: dict, shape: dict) -> str | None:
@@ -103,8 +99,6 @@ def config_reason(config: dict, shape: dict) -> str | None:
     if K % c["K_SPLIT"] or g["R"] % (16 * g["warps"]):
         return (f"K={K} / K_SPLIT={c['K_SPLIT']} = {K / c['K_SPLIT']:g} rows must give each of "
                 f"{g['warps']} warps a multiple of 16 rows")
-    if c["WGMMA"] and (g["warps"] != 4 or g["R"] != 64):
-        return "WGMMA needs threads = 128 and 64 rows per CTA (one m64 warpgroup tile)"
     if g["RW"] * V > 1024:
         # fp32 state, product and y operand per thread scale with rows per warp x V: at 32 x 64 ptxas
         # needs 254 registers (sm_90a), so a warp holds at most 1024 state elements.
@@ -116,18 +110,10 @@ def eligibility(target: str) -> str | None:
     return tl.eligibility(KERNEL, target)
 
 
-def target_reason(config: dict, target: str) -> str | None:
-    c = {**DEFAULTS, **config}
-    if c["WGMMA"] and target != "sm_90a":
-        return f"WGMMA is an sm_90a instruction (target {target})"
-    return None
-
-
 def _pass_configs(config: dict) -> dict:
     pc = tl.pass_configs(tma=False, warp_specialized=False, aggressive_smem_merge=False)
     pc[PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC.value] = True   # barriers are placed by hand
-    if not config["WGMMA"]:
-        pc[PassConfigKey.TL_DISABLE_WGMMA.value] = True
+    pc[PassConfigKey.TL_DISABLE_WGMMA.value] = True   # mma.sync on every target, as GB10 runs it
     return pc
 
 
@@ -143,7 +129,7 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
     """Shared memory per CTA, bytes (all dynamic; no static shared variables): STAGES buffers of the
     chunk's q and k rows (CHUNK x R) and v rows (CHUNK x V) and f (CHUNK) in the input dtype, the fp32
     y partials (CHUNK x warps x V) and W (V x V in the input dtype; fp32 inputs add its bf16 hi and lo
-    halves). When W is moved to registers (V <= 32, no WGMMA) TileLang 0.1.15 reuses its staging
+    halves). When W is moved to registers (V <= 32) TileLang 0.1.15 reuses its staging
     buffer for the chunk buffers, so it adds nothing. Each buffer is 16-byte aligned. Exact against
     the compiler for the bf16 configs compiled in tests/test_tilelang_m2rnn_fwd.py; for fp32 with
     V = 64 the planner may place f on the dead fp32 W buffer, up to STAGES * CHUNK * 4 B below this."""
@@ -228,8 +214,6 @@ def _program(config: dict, shape: dict):
                     T.copy(wl_s, wl_f)
                 else:
                     T.copy(w_s, wh_f)
-            if c["WGMMA"]:
-                T.fence_proxy_async()
             T.sync_threads()       # W read by every warp before its buffer may be reused
             if has_h0:
                 T.copy(H0[b, n, r0:r0 + R, :], h)
@@ -339,7 +323,7 @@ def build(config: dict, shape: dict):
     if why:
         raise RuntimeError(why)
     target = tl.device_target()
-    why = eligibility(target) or target_reason(config, target)
+    why = eligibility(target)
     if why:
         raise RuntimeError(why)
     kernel = tilelang.compile(_program(config, shape), target=tl.tvm_target(target), execution_backend="tvm_ffi",
