@@ -399,6 +399,7 @@ class Sweep:
         best_val = best_val if best_val is not None and best_val < PENALTY_MS else None
         rejected_by_compile: set[str] = set()
         rejected_cheap: set[str] = set()
+        enqueued: set[str] = set()  # feasible configs put in the queue after the sampler stalled
 
         def taken_for_dead(trial):
             self.out(f"{lane.dsl:8s} {shape_name}: trial {trial.number} was taken for dead by another worker "
@@ -505,6 +506,22 @@ class Sweep:
                         continue
                     pending.add(key)
                     queue.append((trial, cfg, key, pool.submit(lane, space, cfg, shape, self.mode.requested)))
+                if not queue and exhaustive and req.sampler != "grid":
+                    # A counted space whose sampler keeps proposing what it has (TPE in a space where few
+                    # configs pass, e.g. the CuTe DSL GEMM on the GB10 profile: 2 of 4 measured, run
+                    # 20261127T200825Z-gemm-gb10-emulated-886): the feasible configs not yet tried go in.
+                    # Each once: a config enqueued before and still not measured is not enqueued again.
+                    done = measured.keys() | pending | rejected_by_compile | enqueued
+                    left = {k: c for c, v in zip(scanned, verdicts) if v.feasible
+                            and (k := space_mod.config_key(lane.full_config(c))) not in done}
+                    if left:
+                        self.out(f"{lane.dsl:8s} {shape_name}: the sampler proposed nothing new in {stale} tries; "
+                                 f"enqueueing the {len(left)} feasible config(s) not yet tried")
+                        for k, c in left.items():
+                            study.enqueue_trial(c)
+                            enqueued.add(k)
+                        stale = 0
+                        continue
                 if not queue:
                     self.out(f"{lane.dsl:8s} {shape_name}: no new feasible config proposed in {STALE_STREAK} tries; "
                              f"stopping")

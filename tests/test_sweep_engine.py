@@ -387,3 +387,22 @@ def test_a_resumed_study_measures_a_seed_added_since_first(lab_env):
         f.write("\n[[seed]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in added.items()))
     sweep.run(_request(lab_env, sampler="tpe", trials=3, seed=6), present_h100(), runner=runner, out=lambda *_: None)
     assert {k: runner.seen[first][k] for k in added} == added, runner.seen
+
+
+def test_a_stalled_sampler_in_a_counted_space_gets_the_feasible_configs_it_missed(lab_env, monkeypatch):
+    """TPE in a counted space where few configs pass kept proposing what it had and stopped with the
+    trials unfilled (CuTe DSL GEMM, GB10 profile: 2 of 4 feasible configs measured, run
+    20261127T200825Z-gemm-gb10-emulated-886): the feasible configs not yet tried are enqueued once, so
+    --trials is met (here every feasible config), each measured once."""
+    from lab import sweep
+    from lab.results import load
+    (lab_env.sweeps / "gemm" / "sim.toml").write_text(
+        '[params]\nMODE = ["ok", "refused"]\nSMEM_KB = [16, 64, 200]\nSPEED = [1, 2]\nESTIMATE_BIAS_KB = [0]\n')
+    monkeypatch.setattr(sweep, "STALE_STREAK", 1)   # the first proposal that adds nothing counts as a stall
+    runner, lines = SimRunner(), []
+    sweep.run(_request(lab_env, sampler="tpe", trials=20, seed=5), present_h100(), runner=runner, out=lines.append)
+    keys = [json.dumps(c, sort_keys=True) for c in runner.seen]
+    assert len(keys) == len(set(keys)) == 6, lines     # MODE ok x 3 SMEM x 2 SPEED, all fit the H100
+    assert any("enqueueing the" in str(line) for line in lines), lines
+    df = load(lab_env.results)
+    assert len(df[(df["phase"] == "sweep") & (df["status"] == "ok")]) == 6
