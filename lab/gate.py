@@ -165,22 +165,21 @@ def ok_rows(df: pd.DataFrame) -> pd.DataFrame:
     return df[keep]
 
 
+def refused_today(lane: registry.Lane, config_json: str, target: str) -> str | None:
+    """Why the checkout's lane refuses a recorded config for ``target`` (its ``target_reason``), or None.
+    Knobs the lane has since removed are dropped first: a removed knob is not a refusal."""
+    knobs = set(lane.module.TUNABLES)
+    config = {k: v for k, v in json.loads(config_json or "{}").items() if k in knobs}
+    return lane.target_reason(lane.full_config(config), target)
+
+
 def emulated_misfits(rows: pd.DataFrame, lane: registry.Lane, target: str) -> dict:
     """{row index: reason} for the emulated rows whose config the checkout's lane refuses for ``target``
     (the emulated profile's): such a row timed a path the profile cannot run (the CuTe DSL GEMM's PATH
     "auto" chose wgmma on the H100 under a GB10 profile), so it is no bar for that profile's code."""
-    out = {}
     emulated = rows[rows["emulated"].fillna(False).astype(bool)] if not rows.empty else rows
-    if emulated.empty:
-        return out
-    knobs = set(lane.module.TUNABLES)
-    for i, r in emulated.iterrows():
-        # A knob the lane has since removed is not a refusal (its row stays a bar, timed by its own code).
-        config = {k: v for k, v in json.loads(r["config_json"] or "{}").items() if k in knobs}
-        reason = lane.target_reason(lane.full_config(config), target)
-        if reason:
-            out[i] = reason
-    return out
+    reasons = {i: refused_today(lane, c, target) for i, c in emulated["config_json"].items()}
+    return {i: r for i, r in reasons.items() if r}
 
 
 @lru_cache(maxsize=None)

@@ -507,10 +507,8 @@ class Sweep:
                     pending.add(key)
                     queue.append((trial, cfg, key, pool.submit(lane, space, cfg, shape, self.mode.requested)))
                 if not queue and exhaustive and req.sampler != "grid":
-                    # A counted space whose sampler keeps proposing what it has (TPE in a space where few
-                    # configs pass, e.g. the CuTe DSL GEMM on the GB10 profile: 2 of 4 measured, run
-                    # 20261127T200825Z-gemm-gb10-emulated-886): the feasible configs not yet tried go in.
-                    # Each once: a config enqueued before and still not measured is not enqueued again.
+                    # A counted space whose sampler keeps proposing configs it has (TPE where few pass the
+                    # rules): the feasible configs not yet tried go in, each once.
                     done = measured.keys() | pending | rejected_by_compile | enqueued
                     left = {k: c for c, v in zip(scanned, verdicts) if v.feasible
                             and (k := space_mod.config_key(lane.full_config(c))) not in done}

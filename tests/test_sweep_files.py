@@ -13,20 +13,13 @@ from lab.devices import get_profile
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _refused_today(lane, config_json: str, target: str) -> bool:
-    """Whether today's lane refuses the row's config for the profile's target: a value the lane itself
-    retired with a reason (the CuTe DSL GEMM's PATH "auto", which ran wgmma under a GB10 profile), not one
-    a pruning took from the sweep file."""
-    knobs = set(lane.module.TUNABLES)
-    config = lane.full_config({k: v for k, v in json.loads(config_json or "{}").items() if k in knobs})
-    return lane.target_reason(config, target) is not None
-
-
 def _bests():
     df = gate.ok_rows(results.load(ROOT / "results"))
     for (kernel, dsl, device, shape), rows in df.groupby(["kernel", "dsl", "requested_profile", "shape"]):
+        # Among the configs today's lane accepts for the profile's target: a value the lane retired with a
+        # reason (the CuTe DSL GEMM's PATH "auto") is not one a pruning took from the sweep file.
         lane, target = registry.get(dsl, kernel), get_profile(device).target
-        rows = rows[[not _refused_today(lane, c, target) for c in rows["config_json"]]]
+        rows = rows[[gate.refused_today(lane, c, target) is None for c in rows["config_json"]]]
         if rows.empty:
             continue
         best = rows.loc[rows["time_ms"].idxmin()]
