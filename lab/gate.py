@@ -45,6 +45,7 @@ class Entry:
     touched: bool | None = None  # with --base: did base..checkout change what this lane's rows depend on
     needed: bool = False          # named by gate.toml (``required`` drops it when --base did not touch it)
     reference: bool = False       # a reference lane, never required
+    unjudged: list[str] = field(default_factory=list)  # fresh shapes whose code change no gate --run A/B judged
 
     @property
     def failing(self) -> bool:
@@ -63,6 +64,10 @@ class Entry:
         mark = "required" if self.required else "untouched" if self.needed else \
             "reference" if self.reference else "optional"
         text = f"{self.kernel:14} {self.dsl:9} {self.device:7} [{mark}] {what}"
+        if self.status == "fresh" and self.unjudged:
+            return (f"{text} (no gate --run A/B of this code at {', '.join(self.unjudged)})  ->  python -m lab gate "
+                    f"--run --device {self.device} --kernel {self.kernel} --dsl {self.dsl}"
+                    + "".join(f" --shape {s}" for s in self.unjudged))
         return text if self.status == "fresh" else f"{text}  ->  {self.command()}"
 
 
@@ -178,8 +183,8 @@ def emulated_misfits(rows: pd.DataFrame, lane: registry.Lane, target: str) -> di
     (the emulated profile's): such a row timed a path the profile cannot run (the CuTe DSL GEMM's PATH
     "auto" chose wgmma on the H100 under a GB10 profile), so it is no bar for that profile's code."""
     emulated = rows[rows["emulated"].fillna(False).astype(bool)] if not rows.empty else rows
-    reasons = {i: refused_today(lane, c, target) for i, c in emulated["config_json"].items()}
-    return {i: r for i, r in reasons.items() if r}
+    by_config = {c: refused_today(lane, c, target) for c in set(emulated["config_json"])}
+    return {i: by_config[c] for i, c in emulated["config_json"].items() if by_config[c]}
 
 
 @lru_cache(maxsize=None)
@@ -280,10 +285,29 @@ def slower_verdicts(rows: pd.DataFrame, module: str, current: dict, pins: dict,
     return out
 
 
+def _unjudged(rows: pd.DataFrame, changes: RowChanges, no_bar: frozenset) -> list[str]:
+    """Shapes with rows of other code too (the lane, harness or toolchain changed since) whose rows of
+    today's code hold no ``gate --run`` A/B (phase gate_checkout): re-measured by a plain sweep, the
+    change there was never compared with the previous best's code. Rows in ``no_bar`` (emulated misfits:
+    no previous best to compare with) do not count as other code. Informational: such a shape is fresh."""
+    out = []
+    for shape, g in rows.sort_values("time_utc").groupby("shape", sort=True):
+        ab = g[g["phase"] == "gate_checkout"]
+        if any(not any(changes(r)) for _, r in ab.iterrows()):
+            continue
+        # Newest first: older rows may need their identity rebuilt from git, and one row of other code is enough.
+        if any(i not in no_bar and any(changes(r)) for i, r in g.iloc[::-1].iterrows()):
+            out.append(shape)
+    return out
+
+
 def _evaluate(entry: Entry, rows: pd.DataFrame, module: str, current: dict, pins: dict,
-              unmeasured: list[str] = (), cross_precision: frozenset = frozenset()) -> None:
+              unmeasured: list[str] = (), cross_precision: frozenset = frozenset(),
+              no_bar: frozenset | None = None) -> None:
     """``unmeasured``: default shapes of a required entry that no row of this lane and device names (not
-    even a refusal): the entry is stale at them, as a lane measured at one shape is not fresh at four."""
+    even a refusal): the entry is stale at them, as a lane measured at one shape is not fresh at four.
+    ``no_bar``: the indices of rows that are no A/B bar (``emulated_misfits``); None: no A/B expected
+    (a reference lane), so no shape is listed as unjudged."""
     if rows.empty:
         entry.status = "never measured"
         return
@@ -305,6 +329,7 @@ def _evaluate(entry: Entry, rows: pd.DataFrame, module: str, current: dict, pins
     if not entry.stale_shapes and not missing:
         slower = slower_verdicts(rows, module, current, pins, cross_precision)
         entry.status = "slower" if slower else "fresh"
+        entry.unjudged = [] if slower or no_bar is None else _unjudged(rows, changes, no_bar)
         if slower:
             entry.stale_shapes = sorted(slower)
             entry.changes = [f"gate --run judged this code SLOWER than the previous best's at "
@@ -391,6 +416,10 @@ def evaluate(df: pd.DataFrame, devices: list[str] | None = None, base: str | Non
             tried = set(df[(df["kernel"] == lane.kernel) & (df["dsl"] == lane.dsl)
                            & (df["requested_profile"] == device)]["shape"]) if not df.empty else set()
             unmeasured = [s for s in _default_shapes(lane.kernel) if s not in tried] if need else []
-            _evaluate(e, mine, lane.module_name, current, pins, unmeasured, cross_precision)
+            try:
+                no_bar = None if reference else frozenset(emulated_misfits(mine, lane, get_profile(device).target))
+            except LabError:  # the lane does not import here: its rows are judged by their identity alone
+                no_bar = frozenset()
+            _evaluate(e, mine, lane.module_name, current, pins, unmeasured, cross_precision, no_bar)
             entries.append(e)
     return entries

@@ -225,6 +225,27 @@ def test_a_newer_row_of_other_code_leaves_the_checkouts_rows_fresh(repo):
     assert e.status == "stale" and "lane code gatepkg/toy/gemm.py" in e.changes[0]
 
 
+def test_a_change_refreshed_without_an_ab_is_listed_with_the_gate_run_that_judges_it(repo, capsys):
+    """A shape re-measured at changed code by a plain sweep is fresh, but no A/B compared it with the
+    previous best's code (TileLang M2RNN, 2026-11-27: sweeps of one seed after a code change, 1-3% off
+    the earlier bests with no verdict): the line names those shapes and the `gate --run` that judges them;
+    an A/B row of today's code (phase gate_checkout) clears it."""
+    old = _row("toy", commit=repo.head)
+    versions = json.loads(old["versions_json"])
+    versions["lane_files"] = {**versions["lane_files"], "gatepkg/toy/gemm.py": "earlier-code"}
+    old["versions_json"] = json.dumps(versions)
+    new = _row("toy", commit=repo.head, time_utc="2026-11-25T10:00:00Z")
+    df = _write(repo, [old, new, _row("toy2", commit=repo.head)])
+    e = _entries(df)[("toy", "h100")]
+    assert e.status == "fresh" and not e.failing and e.unjudged == ["sq4096_bf16"]
+    assert e.line().endswith("fresh (no gate --run A/B of this code at sq4096_bf16)  ->  python -m lab gate --run "
+                             "--device h100 --kernel gemm --dsl toy --shape sq4096_bf16")
+    assert _entries(df)[("toy2", "h100")].unjudged == []           # never measured with other code
+    ab = {**new, "phase": "gate_checkout", "study": "gate SAME", "time_utc": "2026-11-25T11:00:00Z"}
+    assert _entries(_write(repo, [ab]))[("toy", "h100")].unjudged == []
+    assert _gate_cli(repo) == 0
+
+
 def test_gate_changed_toolchain_pin_and_harness(repo):
     df = _write(repo, [_row("toy", commit=repo.head)])
     (repo.path / "pyproject.toml").write_text(PYPROJECT.replace("toolkit==1.0", "toolkit==1.1"))
