@@ -24,7 +24,7 @@ PARITY = {name: get("m2rnn_fwd").parity_shapes(SHAPES[name])[0] for name in ("b2
 
 def _step_loop(src: str) -> str:
     """Body of the per-step loop: the innermost loop around the product that also holds the tanh."""
-    anchor = src.find("wgmma_rs") if "wgmma_rs" in src else src.find("mma_sync")
+    anchor = src.find("mma_sync")
     assert anchor > 0
     heads = [m.start() for m in re.finditer(r"for \(int i_\d+ = 0; i_\d+ < [^;]+; \+\+i_\d+\) \{", src)
              if m.start() < anchor]
