@@ -144,10 +144,11 @@ def refresh(df: pd.DataFrame, present: PresentGPU | None, *, devices: list[str] 
         if e.status == "slower" and not rows.empty:
             # The bar stays the code the SLOWER verdict compared with, not today's rows of the re-checked lane.
             rows = rows[~today_mask]
-        misfits = gate.emulated_misfits(rows, registry.get(e.dsl, e.kernel), get_profile(e.device).target)
+        target = get_profile(e.device).target
+        misfits = gate.emulated_misfits(rows, registry.get(e.dsl, e.kernel), target)
         for shape, g in rows.loc[list(misfits)].groupby("shape"):
             out(f"{e.kernel} {e.dsl} {e.device} {shape}: {len(g)} emulated row(s) no bar, the lane refuses their "
-                f"config for {get_profile(e.device).target}: {misfits[g.index[0]]}")
+                f"config for {target}: {misfits[g.index[0]]}")
         rows = rows.drop(index=list(misfits))
         prev = _previous_best(rows) if not rows.empty else {}
         todo = e.stale_shapes or space.load_shapes(e.kernel)[1]

@@ -125,8 +125,8 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
 
     Backward: W (bf16 V x V); per pipeline stage the checkpoint (fp32 K x V), the segment's q and k
     (bf16 CKPT x K), v and dy (bf16 CKPT x V) and gate (fp32 CKPT); hs and dxs (bf16 CKPT x K x V each);
-    the staged dq and df row sums (fp32 CKPT x K each). Forward: W, and per stage a chunk of k (bf16 CHUNK x K), v (bf16 CHUNK x V) and the gate
-    (fp32 CHUNK). Every buffer 16-byte aligned."""
+    the staged dq and df row sums (fp32 CKPT x K each). Forward: W, and per stage a chunk of k (bf16
+    CHUNK x K), v (bf16 CHUNK x V) and the gate (fp32 CHUNK). Every buffer 16-byte aligned."""
     c = {**DEFAULTS, **config}
     K, V, L, CH, st = shape["K"], shape["V"], c["CKPT"], c["CHUNK"], c["num_stages"]
     stage = sum(_align(x) for x in (4 * K * V, 2 * L * K, 2 * L * K, 2 * L * V, 2 * L * V, 4 * L))
