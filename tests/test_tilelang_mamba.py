@@ -75,8 +75,6 @@ _GLOBAL_TABLES = ("grid_n128_p64_r1_c64", {**SMALL_TILES[0], "global_tables": Tr
 _SEGMENTS = ("gb10", {"scan_threads": 128, "scan_block_P": 16, "scan_segments": 8})
 # paired_tiles: one interleaved tile per rotary-pair operand (the training best's scan, DQ / DK staged).
 _PAIRED = ("training", {"scan_threads": 256, "scan_block_P": 128, "stage_out": True, "paired_tiles": True})
-# chunks_per_cta: the chunk kernel walks K chunks carrying dS (paired tiles at training; halves at gb10).
-_CARRY = ("training", {**_PAIRED[1], "chunks_per_cta": 4})
 
 
 # Each variant compiles for one target in the default run (both targets are covered); the other is slow.
@@ -86,7 +84,6 @@ _CARRY = ("training", {**_PAIRED[1], "chunks_per_cta": 4})
     # scan_segments: a local scan pass over segments 1..K-1, then the scan from composed carries.
     ("sm_121a", *_SEGMENTS), ("sm_90a", *_SEGMENTS),
     ("sm_90a", *_PAIRED), ("sm_121a", "gb10", {"paired_tiles": True}),
-    ("sm_90a", *_CARRY), ("sm_121a", "gb10", {"chunks_per_cta": 2}),
 ])
 def test_new_variants_compile_to_cubins(target, shape_name, config):
     shape = space.get_shape("mamba_bwd_bwd", shape_name)
@@ -97,10 +94,6 @@ def test_new_variants_compile_to_cubins(target, shape_name, config):
     assert res["smem_bytes"] == max(k["smem_bytes"] for k in res["kernels"].values())
     assert 0 < res["registers"] <= 255
     assert lane.smem_estimate(cfg, shape, target) == res["smem_bytes"]
-    if cfg["chunks_per_cta"] > 1:
-        # the dS tiles live through the walk: more shared memory than one chunk per CTA, never less
-        single = lane.smem_estimate({**cfg, "chunks_per_cta": 1}, shape, target)
-        assert res["kernels"]["chunk"]["smem_bytes"] > single
     if shape_name == "grid_n128_p64_r1_c64":
         assert res["smem_bytes"] <= GB10_LIMIT
         staged = lane.smem_estimate({**cfg, "global_tables": False}, shape, target)
@@ -167,27 +160,6 @@ def test_options_ranks_and_parity_shapes_lower(case, at_parity_shape):
             assert "__global__" in art.kernel_source, name
 
 
-def test_a_short_last_group_of_chunks_lowers_with_the_scan_writing_each_group_top():
-    """chunks_per_cta = 2 at the parity shape's three chunks: two groups, the lower one short (a walk
-    bounded by the chunks left, not by K), and the scan writes dS of chunks 2 and 0 only (slots 0, 1)."""
-    from lab.problems import get
-    sh = get("mamba_bwd_bwd").parity_shapes(GB10)[0]
-    cfg = {**D, "chunks_per_cta": 2}
-    assert lane._slots(cfg, sh) == 2 and lane._slots(cfg, GB10) == 8
-    chunk = tl.lower(lane._chunk_program(cfg, sh), "sm_90a", lane._pass_configs(cfg, "chunk")).kernel_source
-    assert "for (int k = 0; k < min(2, (3 - (((int)blockIdx.x) * 2))); ++k)" in chunk
-
-    def dstates_stores(config):
-        src = tl.lower(lane._scan_program(config, sh), "sm_90a", lane._pass_configs(config, "scan")).kernel_source
-        return [line for line in src.splitlines() if line.lstrip().startswith("*(uint4*)(DSTATES + ")]
-    stores, every = dstates_stores(cfg), dstates_stores(D)
-    assert len(every) == 3 and len(stores) == 2, (every, stores)     # the scan's 3 steps, peeled statically
-    # per head 2 slots of N * P = 4096 (3 at K = 1); chunk 2 -> slot 0 (K = 1: slot 2), chunk 0 -> slot 1
-    assert "blockIdx.x) * 12288)" in every[0] and every[0].endswith("+ 8192)) = " + every[0].split(" = ")[1])
-    assert all("blockIdx.x) * 8192)" in x for x in stores)
-    assert "+ 4096))" not in stores[0] and stores[1].split(" = ")[0].endswith("+ 4096))")
-
-
 @pytest.mark.parametrize("config,shape,msg", [
     ({"threads": 96}, GB10, "threads"),
     ({"scan_block_N": 48}, GB10, "scan_block_N"),
@@ -196,7 +168,6 @@ def test_a_short_last_group_of_chunks_lowers_with_the_scan_writing_each_group_to
     ({"stage_out": 1}, GB10, "stage_out=1"),
     ({"threads": 512}, GB10, "threads=512"),
     ({"scan_segments": 3}, GB10, "scan_segments=3"),
-    ({"chunks_per_cta": 0}, GB10, "chunks_per_cta=0"),
     ({"paired_tiles": True, "threads": 128}, {**GB10, "C": 8}, "paired_tiles at C*R=32"),
     ({"paired_tiles": True, "threads": 512, "scan_block_N": 32, "scan_block_P": 64}, {**GB10, "N": 96},
      "multiple of 64"),

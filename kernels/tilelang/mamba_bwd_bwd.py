@@ -23,12 +23,6 @@ every dS_c is known, each chunk's work (about ten GEMMs and all the elementwise 
    ``_chunk_program``); dPsiV is staged in the input dtype and k_hat.q_hat recomputed for DSSDA
    instead of kept. Compiled for two CTAs per SM (__launch_bounds__; registers capped at
    65536 / (2 threads)): two are resident only if the shared memory fits too.
-   With ``chunks_per_cta`` K > 1 the grid is (ceil(nc/K), H, B): each CTA walks K chunks down from the
-   top one of its group, whose dS_c is the only one the scan wrote, and takes the scan's step itself
-   (dS_{c-1} = exp(DA_CS_last) dS_c + q_hat^T (exp(DA_CS) dy), from the q_hat and dy tiles it already
-   holds, accumulated in fp32 and kept in the dS tiles in the input dtype). The dS workspace, written by
-   the scan and read here, shrinks K-fold (at training it is 537 MB each way at K = 1); the dS tiles then
-   live through the whole chunk, so the kernel takes their bytes on top (15 KiB more at training).
 3. ``reduce``: grid (H, B): DMIMO_V and DD summed over chunks (deterministic, no atomics), one
    thread per output element.
 
@@ -42,7 +36,6 @@ elementwise math and every partial in fp32.
 
 Tunables (values and rules: sweeps/mamba_bwd_bwd/tilelang.toml):
   scan_segments       ranges of chunks the scan walks at once (above)
-  chunks_per_cta      chunks one chunk-kernel CTA walks, carrying dS (above)
   threads             threads of the chunk kernel (128 / 256)
   scan_threads        threads of the scan kernel (128 / 256)
   scan_block_N/P      dS tile of one scan CTA (divides N / P). Smaller tiles give more CTAs (what
@@ -73,10 +66,10 @@ from kernels.tilelang import _smem_plan as smem_plan
 
 DSL = "tilelang"
 KERNEL = "mamba_bwd_bwd"
-TUNABLES = ("scan_segments", "chunks_per_cta", "threads", "scan_threads", "scan_block_N", "scan_block_P",
-            "scan_stages", "global_tables", "stage_out", "paired_tiles", "fast_math")
-DEFAULTS = {"scan_segments": 1, "chunks_per_cta": 1, "threads": 256, "scan_threads": 128, "scan_block_N": 64,
-            "scan_block_P": 16, "scan_stages": 2, "global_tables": False, "stage_out": False, "paired_tiles": False,
+TUNABLES = ("scan_segments", "threads", "scan_threads", "scan_block_N", "scan_block_P", "scan_stages", "global_tables",
+            "stage_out", "paired_tiles", "fast_math")
+DEFAULTS = {"scan_segments": 1, "threads": 256, "scan_threads": 128, "scan_block_N": 64, "scan_block_P": 16,
+            "scan_stages": 2, "global_tables": False, "stage_out": False, "paired_tiles": False,
             "fast_math": True}
 TARGETS = tl.TARGETS
 DTYPES = ("float16", "bfloat16")
@@ -151,7 +144,7 @@ def _pass_configs(config: dict, kernel: str) -> dict:
 # The scan's T.Pipelined copies, in the order its prologue first touches them (TileLang 0.1.15).
 _SCAN_PIPELINED = ("ang_raw", "q_raw", "do_raw", "z_raw", "da_raw")
 # Config keys that change the shared buffers (or their alignment) of each kernel.
-_SMEM_KEYS = {"chunk": ("threads", "global_tables", "stage_out", "paired_tiles", "chunks_per_cta"),
+_SMEM_KEYS = {"chunk": ("threads", "global_tables", "stage_out", "paired_tiles"),
               "scan": ("scan_block_N", "scan_block_P", "scan_stages", "scan_threads")}
 
 
@@ -254,14 +247,13 @@ def _scan_program(config: dict, shape: dict, local: bool = False):
     K = _segments(config, shape)
     L = nc // K
     grid_segments, seg_first = (K - 1, 1) if local else (K, 0)
-    group = config["chunks_per_cta"]
 
     @T.prim_func
     def scan(Q: T.Tensor((B, S, R, G, N), dtype), Q_BIAS: T.Tensor((H, R, N), F32),
              ANGLES: T.Tensor((B, S, H, nr), F32), DA_CS: T.Tensor((B, H, S), F32),
              DOUT: T.Tensor(dout_shape, dtype), Z: T.Tensor((B, S, H, P), dtype),
              MIMO_O: T.Tensor((H, R, P), F32), MIMO_Z: T.Tensor((H, R, P), F32),
-             DSTATES: T.Tensor((B, H, _slots(config, shape), N, P), dtype), CARRY: T.Tensor((B, H, K, N, P), F32),
+             DSTATES: T.Tensor((B, H, nc, N, P), dtype), CARRY: T.Tensor((B, H, K, N, P), F32),
              SEG_DECAY: T.Tensor((B, H, K), F32)):
         with T.Kernel(H, B, tiles * grid_segments, threads=threads) as (h, b, bz):
             hq = h // (H // G)
@@ -318,15 +310,10 @@ def _scan_program(config: dict, shape: dict, local: bool = False):
                     T.copy(DOUT[b, c * C:(c + 1) * C, :, h, p0:p0 + bp], do_raw)
                 if hasZ:
                     T.copy(Z[b, c * C:(c + 1) * C, h, p0:p0 + bp], z_raw)
-                if not local and group == 1:
+                if not local:
                     # dS_c out: the chunk kernel's GEMM operand, and its DDA factor (sum(S_c * dS_c), there)
                     T.copy(ds_f, ds_s)
                     T.copy(ds_s, DSTATES[b, h, c, n0:n0 + bn, p0:p0 + bp])
-                elif not local:
-                    # only the top chunk of each group of chunks_per_cta: the chunk kernel carries dS below it
-                    if (nc - 1 - c) % group == 0:
-                        T.copy(ds_f, ds_s)
-                        T.copy(ds_s, DSTATES[b, h, (nc - 1 - c) // group, n0:n0 + bn, p0:p0 + bp])
                 else:
                     for i in T.Parallel(1):
                         log_decay[i] = log_decay[i] + da_raw[C - 1]
@@ -495,7 +482,7 @@ def _chunk_macros(shape: dict, fast: bool):
 _PAIR_BLOCK = 8
 
 
-def _chunk_signature(config: dict, shape: dict):
+def _chunk_signature(shape: dict):
     """The chunk kernel's tensors."""
     B, S, H, G, N, P, R, C, nc, nr, F = _dims(shape)
     dtype = shape["dtype"]
@@ -508,7 +495,7 @@ def _chunk_signature(config: dict, shape: dict):
         DA_CS_REV=T.Tensor((B, H, S), F32), DT=T.Tensor((B, H, S), F32), TRAP=T.Tensor((B, H, S), dtype),
         STATES=T.Tensor((B, H, nc, N, P), "bfloat16"), QK_DOT=T.Tensor((B, H, S, R, R), dtype),
         SEGSUM=T.Tensor((B, H, nc, C, C), F32), DOUT=T.Tensor(dout_shape, dtype),
-        DSTATES=T.Tensor((B, H, _slots(config, shape), N, P), dtype), DQ=T.Tensor((B, S * R, H, N), dtype),
+        DSTATES=T.Tensor((B, H, nc, N, P), dtype), DQ=T.Tensor((B, S * R, H, N), dtype),
         DK=T.Tensor((B, S * R, H, N), dtype), DV=T.Tensor((B, S, H, P), dtype), DANGLES=T.Tensor((B, S, H, nr), F32),
         DFACTOR=T.Tensor((B, H, S), F32), DGAMMA_DIAG=T.Tensor((B, H, S), F32), DDA=T.Tensor((B, H, S), F32),
         DDA_CS=T.Tensor((B, H, S), F32),
@@ -544,9 +531,7 @@ def _chunk_program(config: dict, shape: dict):
     nb = half // blk
     W = N if paired else half           # width of one column tile
     m = _chunk_macros(shape, config["fast_math"])
-    sig = _chunk_signature(config, shape)
-    group = config["chunks_per_cta"]
-    carry = group > 1
+    sig = _chunk_signature(shape)
 
     def lo_col(k, y):
         """Stored column of pair j = blk k + y's first member (column j) in its tile."""
@@ -584,20 +569,11 @@ def _chunk_program(config: dict, shape: dict):
             T.copy(X[b, h, c, half:N, :], hi_s)
 
     @T.macro
-    def state_decay_grad(b, h, c, t0, DSTATES, DA_CS, DDA, st_lo, st_hi, ds_lo, ds_hi, dda_f, dda_row, dda_one,
-                         dda_s):
+    def state_decay_grad(b, h, c, t0, DSTATES, DA_CS, DDA, st_lo, st_hi, dda_f, dda_row, dda_one, dda_s):
         """DDA on the chunk's steps: exp(DA_CS at its last step) * sum(S_c * dS_c), S_c from the row tiles
         (as state_rows laid them out) and dS_c read again (bf16: the DDA tolerance covers its rounding,
-        lab/problems/mamba_bwd_bwd.py), so that the scan reads no STATES: from global memory, or (carry)
-        from the dS tiles, which then hold it to the chunk's end."""
-        if carry and paired:
-            for x, p in T.Parallel(W, P):
-                dda_f[x, p] = T.cast(st_lo[x, p], F32) * T.cast(ds_lo[x, p], F32)
-        elif carry:
-            for x, p in T.Parallel(W, P):
-                dda_f[x, p] = T.cast(st_lo[x, p], F32) * T.cast(ds_lo[x, p], F32) + \
-                    T.cast(st_hi[x, p], F32) * T.cast(ds_hi[x, p], F32)
-        elif paired:
+        lab/problems/mamba_bwd_bwd.py), so that the scan reads no STATES."""
+        if paired:
             for x, p in T.Parallel(W, P):
                 src = (x // (2 * blk)) * blk + x % blk + ((x // blk) % 2) * half
                 dda_f[x, p] = T.cast(st_lo[x, p], F32) * T.cast(DSTATES[b, h, c, src, p], F32)
@@ -688,34 +664,6 @@ def _chunk_program(config: dict, shape: dict):
         if out_s is not None:
             T.copy(out_s, OUT[b, row0:row0 + F, h, :])
 
-    def walk_length(g):
-        """Chunks CTA g walks: chunks_per_cta, fewer in the last group when they do not divide nc."""
-        return 1 if not carry else T.min(group, nc - g * group)
-
-    def chunk_of(g, k):
-        """Chunk of CTA g's step k: groups are counted from the top chunk down and walked in reverse."""
-        return g if not carry else nc - 1 - g * group - k
-
-    @T.macro
-    def next_state(ds_lo, ds_hi, dsn_lo, dsn_hi, qh_lo, qh_hi, dy_s, ea_s):
-        """dS of the chunk below, the scan's step: exp(DA_CS at the last step) dS + q_hat^T (exp(DA_CS) dy),
-        accumulated in fp32 and left in the dS tiles (rows in their order) in the input dtype."""
-        for f, p in T.Parallel(F, P):
-            dy_s[f, p] = T.cast(T.cast(dy_s[f, p], F32) * ea_s[f // R], dtype)
-        for x, p in T.Parallel(W, P):
-            dsn_lo[x, p] = T.cast(ds_lo[x, p], F32) * ea_s[C - 1]
-        if not paired:
-            for x, p in T.Parallel(half, P):
-                dsn_hi[x, p] = T.cast(ds_hi[x, p], F32) * ea_s[C - 1]
-        if paired:
-            T.gemm(qh_lo, dy_s, dsn_lo, transpose_A=True)
-        else:
-            T.gemm(qh_lo, dy_s, dsn_lo, transpose_A=True, annotations=_NO_WAIT)
-            T.gemm(qh_hi, dy_s, dsn_hi, transpose_A=True)
-        T.copy(dsn_lo, ds_lo)
-        if not paired:
-            T.copy(dsn_hi, ds_hi)
-
     @T.prim_func
     def chunk(Q: sig["Q"], K: sig["K"], V: sig["V"], Q_BIAS: sig["Q_BIAS"], K_BIAS: sig["K_BIAS"],
               MIMO_V: sig["MIMO_V"], MIMO_O: sig["MIMO_O"], MIMO_Z: sig["MIMO_Z"], Z: sig["Z"], D: sig["D"],
@@ -725,9 +673,10 @@ def _chunk_program(config: dict, shape: dict):
               DANGLES: sig["DANGLES"], DFACTOR: sig["DFACTOR"], DGAMMA_DIAG: sig["DGAMMA_DIAG"], DDA: sig["DDA"],
               DDA_CS: sig["DDA_CS"], DDA_CS_REV: sig["DDA_CS_REV"], DSSDA: sig["DSSDA"],
               DMV_PART: sig["DMV_PART"], DD_PART: sig["DD_PART"]):
-        with T.Kernel(_slots(config, shape), H, B, threads=threads) as (g, h, b):
+        with T.Kernel(nc, H, B, threads=threads) as (c, h, b):
             T.annotate_min_blocks_per_sm(2)
             hq = h // (H // G)
+            t0 = c * C
             qh_lo = T.alloc_shared((F, W), dtype)
             qh_hi = qh_lo if paired else T.alloc_shared((F, half), dtype)
             kr_lo = T.alloc_shared((F, W), dtype)
@@ -773,90 +722,79 @@ def _chunk_program(config: dict, shape: dict):
             dda_f = T.alloc_fragment((W, P), F32)
             dda_row = T.alloc_fragment((W,), F32)
             dda_one = T.alloc_fragment((1,), F32)
-            dsn_lo = T.alloc_fragment((W, P), F32) if carry else None    # carry: dS of the chunk below
-            dsn_hi = T.alloc_fragment((half, P), F32) if carry and not paired else None
 
-            if carry:
-                state_rows(DSTATES, b, h, g, ds_lo, ds_hi)
-            for k in T.serial(walk_length(g)):
-                c = chunk_of(g, k)
-                t0 = c * C
-                m["step_tables"](b, h, c, t0, DA_CS, DA_CS_REV, DT, TRAP, SEGSUM, ANGLES, QK_DOT, ea_s, er_s, gam_s,
-                                 fac_s, seg_s, cos_s, sin_s, qkd_s)
-                for t in T.Parallel(C):
-                    erf_s[t] = er_s[t] * fac_s[t]
-                rotated_tile(b, t0, h, hq, Q, Q_BIAS, cos_s, sin_s, ANGLES, qh_lo, qh_hi)
-                rotated_tile(b, t0, h, hq, K, K_BIAS, cos_s, sin_s, ANGLES, kr_lo, kr_hi)
-                m["value_tiles"](b, h, t0, V, MIMO_V, DOUT, Z, MIMO_O, MIMO_Z, psiv_s, dy_s)
-                if not carry:
-                    state_rows(DSTATES, b, h, c, ds_lo, ds_hi)
+            m["step_tables"](b, h, c, t0, DA_CS, DA_CS_REV, DT, TRAP, SEGSUM, ANGLES, QK_DOT, ea_s, er_s, gam_s,
+                             fac_s, seg_s, cos_s, sin_s, qkd_s)
+            for t in T.Parallel(C):
+                erf_s[t] = er_s[t] * fac_s[t]
+            rotated_tile(b, t0, h, hq, Q, Q_BIAS, cos_s, sin_s, ANGLES, qh_lo, qh_hi)
+            rotated_tile(b, t0, h, hq, K, K_BIAS, cos_s, sin_s, ANGLES, kr_lo, kr_hi)
+            m["value_tiles"](b, h, t0, V, MIMO_V, DOUT, Z, MIMO_O, MIMO_Z, psiv_s, dy_s)
+            state_rows(DSTATES, b, h, c, ds_lo, ds_hi)
 
-                # ---- dPsiV = exp(DA_CS_REV) factor k_rot dS + (masked k_hat q_hat^T) dy + D dy + diagonal
-                # (products over N: a sum over the tiles, the same in either column order)
-                if paired:
-                    T.gemm(kr_lo, ds_lo, acc_fp, clear_accum=True, annotations=_NO_WAIT)
-                    T.gemm(kr_lo, qh_lo, acc_ff, transpose_B=True, clear_accum=True)
-                else:
-                    T.gemm(kr_lo, ds_lo, acc_fp, clear_accum=True, annotations=_NO_WAIT)
-                    T.gemm(kr_hi, ds_hi, acc_fp, annotations=_NO_WAIT)
-                    T.gemm(kr_lo, qh_lo, acc_ff, transpose_B=True, clear_accum=True, annotations=_NO_WAIT)
-                    T.gemm(kr_hi, qh_hi, acc_ff, transpose_B=True)
+            # ---- dPsiV = exp(DA_CS_REV) factor k_rot dS + (masked k_hat q_hat^T) dy + D dy + diagonal
+            # (products over N: a sum over the tiles, the same in either column order)
+            if paired:
+                T.gemm(kr_lo, ds_lo, acc_fp, clear_accum=True, annotations=_NO_WAIT)
+                T.gemm(kr_lo, qh_lo, acc_ff, transpose_B=True, clear_accum=True)
+            else:
+                T.gemm(kr_lo, ds_lo, acc_fp, clear_accum=True, annotations=_NO_WAIT)
+                T.gemm(kr_hi, ds_hi, acc_fp, annotations=_NO_WAIT)
+                T.gemm(kr_lo, qh_lo, acc_ff, transpose_B=True, clear_accum=True, annotations=_NO_WAIT)
+                T.gemm(kr_hi, qh_hi, acc_ff, transpose_B=True)
+            for f, p in T.Parallel(F, P):
+                acc_fp[f, p] = acc_fp[f, p] * erf_s[f // R]
+            for i, j in T.Parallel(F, F):
+                acc_ff[i, j] = acc_ff[i, j] * fac_s[i // R]                 # lkq[s, t] = k_hat_s . q_hat_t
+            for i, j in T.Parallel(F, F):
+                # _seg is 0 on the same-step block (s < t only), which takes gamma QK_DOT instead
+                w_s[i, j] = acc_ff[i, j] * _seg(seg_s, SEGSUM, b, h, c, j // R, i // R) + \
+                    T.cast(i // R == j // R, F32) * gam_s[i // R] * qkd_s[i % R, j]
+            T.gemm(w_s, dy_s, acc_fp)
+            if hasD:
                 for f, p in T.Parallel(F, P):
-                    acc_fp[f, p] = acc_fp[f, p] * erf_s[f // R]
-                for i, j in T.Parallel(F, F):
-                    acc_ff[i, j] = acc_ff[i, j] * fac_s[i // R]                 # lkq[s, t] = k_hat_s . q_hat_t
-                for i, j in T.Parallel(F, F):
-                    # _seg is 0 on the same-step block (s < t only), which takes gamma QK_DOT instead
-                    w_s[i, j] = acc_ff[i, j] * _seg(seg_s, SEGSUM, b, h, c, j // R, i // R) + \
-                        T.cast(i // R == j // R, F32) * gam_s[i // R] * qkd_s[i % R, j]
-                T.gemm(w_s, dy_s, acc_fp)
-                if hasD:
-                    for f, p in T.Parallel(F, P):
-                        acc_fp[f, p] = acc_fp[f, p] + D[h] * T.cast(dy_s[f, p], F32)
-                T.copy(acc_fp, dpsiv_s)
-                m["dv_dmv"](b, h, c, t0, V, MIMO_V, DV, DMV_PART, dpsiv_s)
+                    acc_fp[f, p] = acc_fp[f, p] + D[h] * T.cast(dy_s[f, p], F32)
+            T.copy(acc_fp, dpsiv_s)
+            m["dv_dmv"](b, h, c, t0, V, MIMO_V, DV, DMV_PART, dpsiv_s)
 
-                # ---- dkq = PsiV dy^T (row s, column t): DSSDA, masked copies, same-step terms
-                T.gemm(psiv_s, dy_s, acc_ff, transpose_B=True, clear_accum=True, annotations=_NO_WAIT)
-                # lkq again (recomputed: keeping it across the dPsiV steps costs an F x F tile of shared memory)
-                if paired:
-                    T.gemm(kr_lo, qh_lo, lkq_f, transpose_B=True, clear_accum=True)
-                else:
-                    T.gemm(kr_lo, qh_lo, lkq_f, transpose_B=True, clear_accum=True, annotations=_NO_WAIT)
-                    T.gemm(kr_hi, qh_hi, lkq_f, transpose_B=True)
-                for i, j in T.Parallel(F, F):
-                    lkq_f[i, j] = lkq_f[i, j] * fac_s[i // R]
-                m["dkq_terms"](b, h, c, t0, DSSDA, DD_PART, DGAMMA_DIAG, acc_ff, lkq_f, prod_s, w_s, pv_s, wd_s,
-                               seg_s, SEGSUM, gam_s, qkd_s, cc_f)
+            # ---- dkq = PsiV dy^T (row s, column t): DSSDA, masked copies, same-step terms
+            T.gemm(psiv_s, dy_s, acc_ff, transpose_B=True, clear_accum=True, annotations=_NO_WAIT)
+            # lkq again (recomputed: keeping it across the dPsiV steps costs an F x F tile of shared memory)
+            if paired:
+                T.gemm(kr_lo, qh_lo, lkq_f, transpose_B=True, clear_accum=True)
+            else:
+                T.gemm(kr_lo, qh_lo, lkq_f, transpose_B=True, clear_accum=True, annotations=_NO_WAIT)
+                T.gemm(kr_hi, qh_hi, lkq_f, transpose_B=True)
+            for i, j in T.Parallel(F, F):
+                lkq_f[i, j] = lkq_f[i, j] * fac_s[i // R]
+            m["dkq_terms"](b, h, c, t0, DSSDA, DD_PART, DGAMMA_DIAG, acc_ff, lkq_f, prod_s, w_s, pv_s, wd_s,
+                           seg_s, SEGSUM, gam_s, qkd_s, cc_f)
 
-                # ---- dk_hat = exp(DA_CS_REV) PsiV dS^T + masked dkq q_hat; DDA_CS_REV, DFACTOR, DK
-                gemm_tiles(psiv_s, ds_lo, ds_hi, lo_f, hi_f, False, True, True)
-                # wq_s after the last read of the dS tiles, so that it can take their bytes (8 KiB at F = 64).
-                for i, j in T.Parallel(F, F):
-                    wq_s[i, j] = acc_ff[i, j] * _seg(seg_s, SEGSUM, b, h, c, j // R, i // R) * fac_s[i // R]
-                pair_row_sum(lo_f, hi_f, kr_lo, kr_hi, fac_s, tmp_f, row_f, rows_s, DDA_CS_REV, b, t0, h)
-                scale_rows(lo_f, hi_f, er_s)
-                gemm_tiles(w_s, qh_lo, qh_hi, lo_f, hi_f, False, False, False)
-                pair_row_sum(lo_f, hi_f, kr_lo, kr_hi, None, tmp_f, row_f, rows_s, DFACTOR, b, t0, h)
-                angle_terms(lo_f, hi_f, kr_lo, kr_hi, fac_s, ang_s, False)
-                scale_rows(lo_f, hi_f, fac_s)
-                gemm_tiles(wd_s, qh_lo, qh_hi, lo_f, hi_f, False, False, False)       # same-step terms
-                rotate_back_out(lo_f, hi_f, cos_s, sin_s, ANGLES, DK, out_s, b, t0, c * F, h)
+            # ---- dk_hat = exp(DA_CS_REV) PsiV dS^T + masked dkq q_hat; DDA_CS_REV, DFACTOR, DK
+            gemm_tiles(psiv_s, ds_lo, ds_hi, lo_f, hi_f, False, True, True)
+            # wq_s after the last read of the dS tiles, so that it can take their bytes (8 KiB at F = 64).
+            for i, j in T.Parallel(F, F):
+                wq_s[i, j] = acc_ff[i, j] * _seg(seg_s, SEGSUM, b, h, c, j // R, i // R) * fac_s[i // R]
+            pair_row_sum(lo_f, hi_f, kr_lo, kr_hi, fac_s, tmp_f, row_f, rows_s, DDA_CS_REV, b, t0, h)
+            scale_rows(lo_f, hi_f, er_s)
+            gemm_tiles(w_s, qh_lo, qh_hi, lo_f, hi_f, False, False, False)
+            pair_row_sum(lo_f, hi_f, kr_lo, kr_hi, None, tmp_f, row_f, rows_s, DFACTOR, b, t0, h)
+            angle_terms(lo_f, hi_f, kr_lo, kr_hi, fac_s, ang_s, False)
+            scale_rows(lo_f, hi_f, fac_s)
+            gemm_tiles(wd_s, qh_lo, qh_hi, lo_f, hi_f, False, False, False)       # same-step terms
+            rotate_back_out(lo_f, hi_f, cos_s, sin_s, ANGLES, DK, out_s, b, t0, c * F, h)
 
-                # ---- dq_hat = exp(DA_CS) dy S_c^T + masked dkq^T k_hat; DDA_CS, DQ, DANGLES
-                state_rows(STATES, b, h, c, st_lo, st_hi)
-                state_decay_grad(b, h, c, t0, DSTATES, DA_CS, DDA, st_lo, st_hi, ds_lo, ds_hi, dda_f, dda_row,
-                                 dda_one, dda_s)
-                gemm_tiles(dy_s, st_lo, st_hi, lo_f, hi_f, False, True, True)
-                pair_row_sum(lo_f, hi_f, qh_lo, qh_hi, None, tmp_f, row_f, rows_s, DDA_CS, b, t0, h)
-                scale_rows(lo_f, hi_f, ea_s)
-                gemm_tiles(wq_s, kr_lo, kr_hi, lo_f, hi_f, True, False, False)
-                angle_terms(lo_f, hi_f, qh_lo, qh_hi, None, ang_s, True)
-                m["angles_out"](b, t0, h, DANGLES, ang_s, ang_f)
-                gemm_tiles(wd_s, kr_lo, kr_hi, lo_f, hi_f, True, False, False)        # same-step terms
-                rotate_back_out(lo_f, hi_f, cos_s, sin_s, ANGLES, DQ, out_s, b, t0, c * F, h)
-                if carry:
-                    next_state(ds_lo, ds_hi, dsn_lo, dsn_hi, qh_lo, qh_hi, dy_s, ea_s)
+            # ---- dq_hat = exp(DA_CS) dy S_c^T + masked dkq^T k_hat; DDA_CS, DQ, DANGLES
+            state_rows(STATES, b, h, c, st_lo, st_hi)
+            state_decay_grad(b, h, c, t0, DSTATES, DA_CS, DDA, st_lo, st_hi, dda_f, dda_row, dda_one, dda_s)
+            gemm_tiles(dy_s, st_lo, st_hi, lo_f, hi_f, False, True, True)
+            pair_row_sum(lo_f, hi_f, qh_lo, qh_hi, None, tmp_f, row_f, rows_s, DDA_CS, b, t0, h)
+            scale_rows(lo_f, hi_f, ea_s)
+            gemm_tiles(wq_s, kr_lo, kr_hi, lo_f, hi_f, True, False, False)
+            angle_terms(lo_f, hi_f, qh_lo, qh_hi, None, ang_s, True)
+            m["angles_out"](b, t0, h, DANGLES, ang_s, ang_f)
+            gemm_tiles(wd_s, kr_lo, kr_hi, lo_f, hi_f, True, False, False)        # same-step terms
+            rotate_back_out(lo_f, hi_f, cos_s, sin_s, ANGLES, DQ, out_s, b, t0, c * F, h)
 
     return chunk
 
@@ -888,10 +826,8 @@ def _reduce_program(config: dict, shape: dict):
     return reduce
 
 
-def _slots(config: dict, shape: dict) -> int:
-    """dS tiles the scan hands the chunk kernel per (batch, head): one per group of chunks_per_cta chunks
-    (the top chunk of each), counted from the last chunk down; the lowest group may be short."""
-    return -(-(shape["S"] // shape["C"]) // config["chunks_per_cta"])
+def _scan_tiles(config: dict, shape: dict) -> int:
+    return (shape["N"] // config["scan_block_N"]) * (shape["P"] // config["scan_block_P"])
 
 
 _PROGRAMS = {"scan_local": functools.partial(_scan_program, local=True), "scan": _scan_program,
@@ -967,7 +903,7 @@ def build(config: dict, shape: dict):
     def run(inputs, outputs):
         dev = inputs["Q"].device
         if work.get("device") != dev:
-            work.update(device=dev, ds=torch.empty(B, H, _slots(config, shape), N, P, dtype=inputs["Q"].dtype, device=dev),
+            work.update(device=dev, ds=torch.empty(B, H, nc, N, P, dtype=inputs["Q"].dtype, device=dev),
                         dmv=torch.empty(B, H, nc, R, P, dtype=torch.float32, device=dev),
                         dd=torch.zeros(B, H, nc, dtype=torch.float32, device=dev),
                         dd_out=torch.empty(B, H, dtype=torch.float32, device=dev),
