@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels import _cubin  # noqa: E402
+from kernels import _cubin, _launch_smem  # noqa: E402
 from lab import space  # noqa: E402
 
 CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, CU_FUNC_ATTRIBUTE_NUM_REGS = 1, 4
@@ -72,8 +72,9 @@ def cute_cubin(shape: dict, target: str) -> tuple[bytes, str]:
     with tempfile.TemporaryDirectory() as d:
         gemm._compile(cfg, shape, target, f"--keep-cubin --dump-dir {d}")
         path = [os.path.join(d, f) for f in os.listdir(d) if f.endswith(".cubin")][0]
-        static, _, _ = gemm._cubin_resources(path, target)
-        return Path(path).read_bytes(), f"cute reader {static}"
+        cubin = Path(path).read_bytes()
+        r = _cubin.resources(cubin)
+        return cubin, f"cute reader {_launch_smem.driver_static(r, target) + r['reserved']}"
 
 
 def cutile_cubin(shape: dict, target: str) -> tuple[bytes, str]:

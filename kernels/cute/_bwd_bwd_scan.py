@@ -27,7 +27,7 @@ import cutlass.cute as cute
 from kernels.cute import _aot
 from kernels.cute import _bwd_bwd_chunk as chunk
 from kernels.cute import _warp_mma as wm
-from kernels.cute.gemm import static_smem
+from kernels.cute._aot import static_smem
 from lab.problems import _mamba3 as m3
 
 THREADS = 128
@@ -54,7 +54,7 @@ def reason(config: dict, shape: dict) -> str | None:
 
 def smem_bytes(config: dict, shape: dict, target: str) -> int:
     """Shared memory of one CTA as the launch counts it: q_hat^T (2 BJ x F) and dy (F x BP) in the input
-    dtype, plus the static part (kernels/cute/gemm.py static_smem)."""
+    dtype, plus the static part (kernels/cute/_aot.py static_smem)."""
     F = shape["C"] * shape["R"]
     return 2 * F * (2 * config["SCAN_BJ"] + config["SCAN_BP"]) + static_smem(target)
 

@@ -25,11 +25,6 @@ tile rasterization replaces the examples' cluster swizzle.
 """
 from __future__ import annotations
 
-import os
-import re
-import tempfile
-import time
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -39,7 +34,9 @@ from cutlass.tensor_utils import LayoutEnum
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 
-from kernels import _cubin, _launch_smem, _targets
+from kernels import _targets
+from kernels.cute import _aot
+from kernels.cute._aot import static_smem, versions  # noqa: F401 (versions: the lane interface)
 
 DSL = "cute"
 KERNEL = "gemm"
@@ -134,15 +131,6 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
     bm, bn, bk, st = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"], config["STAGES"]
     dynamic = _MBAR_REGION + st * (bm * bk + bn * bk) * elem
     return dynamic + static_smem(target)
-
-
-def static_smem(target: str) -> int:
-    """Static shared memory of a CuTe DSL kernel as a launch counts it, bytes: its .nv.shared section (the
-    1 KiB ptxas puts there, which on sm_90+ is the per-block reservation the driver does not count:
-    ``_launch_smem.driver_static``) plus the 64 B .nv.shared.reserved section on sm_100 and newer. Shared by
-    the CuTe DSL lanes' estimates; the tests hold them to the compiled figures."""
-    arch = _targets.cc(target)
-    return (0 if arch >= 90 else _launch_smem.BLOCK_RESERVATION) + (64 if arch >= 100 else 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -541,63 +529,16 @@ def _compile(config: dict, shape: dict, target: str, options: str):
 def compile_for(config: dict, shape: dict, target: str) -> dict:
     """Ahead-of-time compile for ``target`` (no GPU needed).
 
-    Returns ``{"smem_bytes", "registers", "compile_s", "binary": "cubin"}``. ``smem_bytes`` is what the
-    launch will request: the dynamic size the DSL bakes into the host launch code (read from the
-    compiled host IR) plus the static shared memory of the kernel's cubin (its .nv.shared sections).
-    Dumping the cubin (--keep-cubin) also turns the DSL's file cache off, so no binary is reused
-    across targets.
+    Returns ``_aot.compile_with_resources``'s figures: ``smem_bytes`` is what the launch will request,
+    the dynamic size the DSL bakes into the host launch code plus the static shared memory of the
+    kernel's cubin.
     """
     reason = config_reason(config, shape) or target_reason(config, target)
     if reason:
         raise ValueError(f"cannot compile for {target}: {reason}")
-    with tempfile.TemporaryDirectory(prefix=f"cute_gemm_{target}_") as d:
-        t0 = time.perf_counter()
-        fn = _compile(config, shape, target, f"--keep-cubin --dump-dir {d}")
-        seconds = time.perf_counter() - t0
-        cubins = [os.path.join(d, f) for f in os.listdir(d) if f.endswith(".cubin")]
-        if len(cubins) != 1:
-            raise RuntimeError(f"expected one cubin in {d}, found {os.listdir(d)}")
-        static, regs, name = _cubin_resources(cubins[0], target)
-        dynamic = _launch_dynamic_smem(str(fn.ir_module))
-    return {"smem_bytes": dynamic + static, "smem_dynamic": dynamic, "smem_static": static,
-            "registers": regs, "compile_s": seconds, "binary": "cubin", "kernel": name}
-
-
-# ---- reading the artifacts ----------------------------------------------------------------------
-
-_LAUNCH_STRUCT = "!llvm.struct<(array<3 x i32>, array<3 x i32>, i64, ptr, ptr, i32)>"
-
-
-def _launch_dynamic_smem(host_ir: str) -> int:
-    """Dynamic shared memory of the kernel launch in the compiled host code.
-
-    The host function fills a cudaLaunchConfig_t {gridDim, blockDim, dynamicSmemBytes, stream, attrs,
-    numAttrs}; field 2 is stored from an i64 constant. Exactly one launch is expected.
-    """
-    host_ir = re.sub(r'@kernels_binary\("[^"]*"\)', "@kernels_binary(...)", host_ir)
-    consts = dict(re.findall(r"(%\w+) = llvm\.mlir\.constant\((-?\d+) : i64\) : i64", host_ir))
-    slots = re.findall(r"(%\w+) = llvm\.getelementptr %\w+\[0, 2\] : \(!llvm\.ptr\) -> !llvm\.ptr, "
-                       + re.escape(_LAUNCH_STRUCT), host_ir)
-    values = []
-    for slot in slots:
-        m = re.search(r"llvm\.store (%\w+), " + re.escape(slot) + r" : i64, !llvm\.ptr", host_ir)
-        if m and m.group(1) in consts:
-            values.append(int(consts[m.group(1)]))
-    if len(values) != 1:
-        raise RuntimeError(f"could not read the launch's dynamic shared memory from the host IR ({values})")
-    return values[0]
-
-
-def _cubin_resources(path: str, target: str) -> tuple[int, int | None, str]:
-    """(static shared bytes, registers per thread, kernel name) of the single kernel in a cubin.
-
-    Static shared memory counts the kernel's .nv.shared section and the reserved one (see
-    kernels/_cubin.py); the same figures as ``cuobjdump --dump-resource-usage``, without needing a
-    cuobjdump that knows the arch.
-    """
-    with open(path, "rb") as f:
-        r = _cubin.resources(f.read())
-    return _launch_smem.driver_static(r, target) + r["reserved"], r["registers"], r["kernel"]
+    _, res = _aot.compile_with_resources(lambda options: _compile(config, shape, target, options),
+                                         f"cute_gemm_{target}_", target)
+    return res
 
 
 # ---- running -------------------------------------------------------------------------------------
@@ -612,11 +553,9 @@ def build(config: dict, shape: dict):
     reason = config_reason(config, shape) or target_reason(config, target)
     if reason:
         raise ValueError(reason)
-    with tempfile.TemporaryDirectory(prefix=f"cute_gemm_{target}_") as d:
-        fn = _compile(config, shape, target, f"--keep-cubin --dump-dir {d}")
-        cubins = [os.path.join(d, f) for f in os.listdir(d) if f.endswith(".cubin")]
-        static, regs, _ = _cubin_resources(cubins[0], target) if len(cubins) == 1 else (0, None, "")
-    info = {"smem_bytes": _launch_dynamic_smem(str(fn.ir_module)) + static, "registers": regs, "spills": None}
+    fn, res = _aot.compile_with_resources(lambda options: _compile(config, shape, target, options),
+                                          f"cute_gemm_{target}_", target)
+    info = {"smem_bytes": res["smem_bytes"], "registers": res["registers"], "spills": None}
     dt = _dtype_cls(shape["dtype"])
     want = getattr(torch, shape["dtype"])
     M, N, K = shape["M"], shape["N"], shape["K"]
@@ -636,8 +575,3 @@ def build(config: dict, shape: dict):
            make_ptr(dt, c.data_ptr(), AddressSpace.gmem, assumed_align=16), s)
         return info
     return run
-
-
-def versions() -> dict:
-    from importlib.metadata import version
-    return {"nvidia-cutlass-dsl": version("nvidia-cutlass-dsl"), "torch": torch.__version__}

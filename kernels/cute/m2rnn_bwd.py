@@ -47,7 +47,7 @@ import torch
 
 from kernels import _targets
 from kernels.cute import _aot
-from kernels.cute.gemm import static_smem
+from kernels.cute._aot import static_smem, versions  # noqa: F401 (versions: lane interface)
 from lab.problems import _m2rnn as m2
 
 DSL = "cute"
@@ -132,7 +132,7 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
     """Shared memory per CTA of the backward kernel (the larger of the two), bytes: (CKPT + 1) states
     of R x 16 fp32, two input buffers of CKPT steps (q, k: R bf16, v, dy: 16 bf16, f: fp32), the
     per-segment staging of dq, dk (R fp32), dv (16 fp32 per warp), df (fp32 per warp); plus the static
-    part (kernels/cute/gemm.py ``static_smem``). Meant to equal the compiled figure (the tests check it)."""
+    part (kernels/cute/_aot.py ``static_smem``). Meant to equal the compiled figure (the tests check it)."""
     config = {**DEFAULTS, **config}
     return _bwd_layout(config, shape)["TOTAL"] + static_smem(target)
 
@@ -651,8 +651,3 @@ def build(config: dict, shape: dict):
             outputs[name].copy_(value)
         return info
     return run
-
-
-def versions() -> dict:
-    from importlib.metadata import version
-    return {"nvidia-cutlass-dsl": version("nvidia-cutlass-dsl"), "torch": torch.__version__}

@@ -44,7 +44,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from kernels import _targets
 from kernels.cute import _aot
-from kernels.cute.gemm import static_smem, versions  # noqa: F401 (versions: lane interface)
+from kernels.cute._aot import static_smem, versions  # noqa: F401 (versions: lane interface)
 
 DSL = "cute"
 KERNEL = "m2rnn_fwd"
@@ -126,7 +126,7 @@ def _smem_parts(config: dict, shape: dict) -> dict:
 def smem_estimate(config: dict, shape: dict, target: str) -> int:
     """Shared memory per CTA in bytes: the input ring (k, q, v rows in the input dtype, f in fp32, STAGES
     chunks of CHUNK steps per head) plus two chunks of per-warp fp32 y partials, each array padded to
-    128 B, plus the static part (kernels/cute/gemm.py ``static_smem``). The tests hold it to the compiled
+    128 B, plus the static part (kernels/cute/_aot.py ``static_smem``). The tests hold it to the compiled
     figure."""
     dynamic = sum(-(-b // 128) * 128 for b in _smem_parts(config, shape).values())
     return dynamic + static_smem(target)

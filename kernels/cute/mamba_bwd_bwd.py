@@ -36,7 +36,7 @@ from kernels import _targets
 from kernels.cute import _aot
 from kernels.cute import _bwd_bwd_chunk as chunk
 from kernels.cute import _bwd_bwd_scan as scan
-from kernels.cute.gemm import static_smem
+from kernels.cute._aot import static_smem, versions  # noqa: F401 (versions: lane interface)
 from lab.problems import _mamba3 as m3
 
 DSL = "cute"
@@ -220,8 +220,3 @@ def build(config: dict, shape: dict):
             launch[name](inputs, outputs, work)
         return info
     return run
-
-
-def versions() -> dict:
-    from importlib.metadata import version
-    return {"nvidia-cutlass-dsl": version("nvidia-cutlass-dsl"), "torch": torch.__version__}
