@@ -89,6 +89,16 @@ def _previous_best(rows: pd.DataFrame) -> dict[str, pd.Series]:
     return {shape: g.sort_values(["time_ms", "time_utc"]).iloc[0] for shape, g in rows.groupby("shape")}
 
 
+def _reseeds(rows: pd.DataFrame, listed) -> list[dict]:
+    """Configs the re-sweep of one shape measures first: the previous best's (``rows``: that shape's
+    committed ok rows), and, when today's sweep file no longer lists one of its values (a value the lane
+    retired: the CuTe DSL GEMM's PATH "auto"), also the fastest committed config it does list, so that
+    --trials 0 still times today's code there. ``listed(config)``: whether the file lists its values."""
+    configs = [json.loads(c) for c in rows.sort_values(["time_ms", "time_utc"])["config_json"]]
+    fallback = next((c for c in configs if listed(c)), None)
+    return configs[:1] + ([fallback] if fallback is not None and not listed(configs[0]) else [])
+
+
 def _previous_lane(e: gate.Entry, row: pd.Series, work: Path) -> tuple[str, dict]:
     """(DSL name to run the previous best under, its versions). The checkout's lane when the row was
     measured with today's code, else a copy of the lane at the row's commit."""
@@ -152,12 +162,17 @@ def refresh(df: pd.DataFrame, present: PresentGPU | None, *, devices: list[str] 
         rows = rows.drop(index=list(misfits))
         prev = _previous_best(rows) if not rows.empty else {}
         todo = e.stale_shapes or space.load_shapes(e.kernel)[1]
+        lane = registry.get(e.dsl, e.kernel)
+        sp = space.load_space(e.kernel, e.dsl, tuple(lane.module.TUNABLES))
+
+        def listed(cfg: dict) -> bool:
+            return not sp.unlisted(lane.full_config({k: v for k, v in cfg.items() if k in lane.module.TUNABLES}))
         out(f"gate --run: {e.kernel} {e.dsl} {e.device}: {e.status}; re-sweeping {', '.join(todo)}")
         req = sweep.SweepRequest(
             kernel=e.kernel, device=e.device, dsls=[e.dsl], shapes=todo, trials=trials, new_trials=True,
             timeout_s=timeout_s,
             emulate=e.device != here, results_dir=results_dir, baseline=False, confirm=False, progress=False,
-            seeds={(e.dsl, s): [json.loads(prev[s]["config_json"])] for s in todo if s in prev})
+            seeds={(e.dsl, s): _reseeds(rows[rows["shape"] == s], listed) for s in todo if s in prev})
         sw, _ = sweep.run(req, present, runner=runner, out=out)
         new_rows = pd.DataFrame(sw.writer.rows)
         wrong = new_rows[new_rows["status"] == "wrong_result"] if not new_rows.empty else new_rows

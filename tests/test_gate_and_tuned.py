@@ -583,6 +583,33 @@ def test_gate_run_trials_are_new_configs_after_the_previous_best(lab_env, trials
         registry.get("sim", "gemm").full_config(SIM_BEST)
 
 
+def test_a_previous_best_at_a_value_the_file_no_longer_lists_still_gets_todays_code_timed(lab_env):
+    """The previous best's config names a value today's sweep file does not list (the CuTe DSL GEMM's PATH
+    "auto" at three H100 shapes): the re-sweep cannot measure it, so with --trials 0 it measured nothing
+    and the gate failed on "no ok config" (run 20261127T225445Z-gemm-h100-886). Now the fastest committed
+    config the file lists is measured too, and the A/B still times the previous best with its own code."""
+    from lab import gate_run
+    from tests.test_sweep_engine import present_h100
+    registry._LANES.clear()
+    df = _committed_sim_row(lab_env, {**SIM_BEST, "SMEM_KB": 32}, {"tests/fake_lanes/sim/gemm.py": "old"})
+    listed = {**df.iloc[0].to_dict(), "run_id": "listed", "time_ms": df.iloc[0]["time_ms"] * 2,
+              "config_json": json.dumps(registry.get("sim", "gemm").full_config(SIM_BEST))}
+    w = results.RunWriter(lab_env.results / "h100" / "gemm", "listed")
+    w.add(listed)
+    df = results.load(lab_env.results)
+    lines, runner = [], ABRunner(1.0)
+    assert gate_run.refresh(df, present_h100(), kernels=["gemm"], dsls=["sim"], trials=0,
+                            results_dir=lab_env.results, runner=runner, out=lines.append) == 0, lines
+    text = "\n".join(lines)
+    assert "seed not in" in text and "SMEM_KB=32" in text and "no ok config" not in text, text
+    after = results.load(lab_env.results)
+    new = after[(after["phase"] == "sweep") & ~after["run_id"].isin(["previous", "listed"])]
+    assert [json.loads(c) for c in new["config_json"]] == [registry.get("sim", "gemm").full_config(SIM_BEST)]
+    assert "gemm sim h100 tiny: previous" in text and ": SAME" in text
+    ab = after[after["phase"] == "gate_previous"]
+    assert json.loads(ab["config_json"].iloc[0])["SMEM_KB"] == 32       # the bar: the previous best itself
+
+
 def test_gate_run_measures_the_sweep_files_seeds_after_the_previous_best(lab_env):
     """A branch that adds a seed to the sweep file gets it measured by `gate --run --trials 1`: the new
     study takes the request's seed (the previous best) and then the file's (before, the previous best
