@@ -167,6 +167,7 @@ def refresh(df: pd.DataFrame, present: PresentGPU | None, *, devices: list[str] 
 
         def listed(cfg: dict) -> bool:
             return not sp.unlisted(lane.full_config({k: v for k, v in cfg.items() if k in lane.module.TUNABLES}))
+
         out(f"gate --run: {e.kernel} {e.dsl} {e.device}: {e.status}; re-sweeping {', '.join(todo)}")
         req = sweep.SweepRequest(
             kernel=e.kernel, device=e.device, dsls=[e.dsl], shapes=todo, trials=trials, new_trials=True,
@@ -210,7 +211,6 @@ def refresh(df: pd.DataFrame, present: PresentGPU | None, *, devices: list[str] 
                 if ab_runner is not None:
                     ab_runner.close()
                 ab_runner = WorkerRunner("cuda", env=env)
-            lane = registry.get(e.dsl, e.kernel)
             cache = preflight.lane_cache_env(lane, sw.mode.run_target)
             task = {"kind": "abab", "kernel": e.kernel, "shape": dict(sw.shapes_all[shape]), "seed": 7,
                     "l2_bytes": sw.l2_bytes, "lanes": [(prev_dsl, json.loads(prev[shape]["config_json"]), cache),
