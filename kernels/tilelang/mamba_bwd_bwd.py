@@ -417,6 +417,24 @@ def _scan_ws_program(config: dict, shape: dict, local: bool):
     carry_in = _carry_in(K, bn, bp)
     builder_groups = tuple(range(1, 1 + builders // 128))
     fast = config["fast_math"]
+    copies = 5 if hasZ else 4     # cp.async groups a fetch commits (one per T.async_copy)
+
+    @T.macro
+    def fetch(k, Q, ANGLES, DA_CS, DOUT, Z, b, h, hq, seg, p0, q_raw, ang_raw, da_raw, do_raw, z_raw):
+        """The raw inputs of step k into ring slot k % stages, by cp.async (no wait). Past the last step it
+        copies the last step's again (into a free slot), so that every step commits as many groups."""
+        last = T.min(k, L - 1)
+        c = (seg + 1) * L - 1 - last if K > 1 else nc - 1 - last
+        slot = k % stages
+        T.async_copy(Q[b, c * C:(c + 1) * C, :, hq, :], q_raw[slot, :, :, :])
+        T.async_copy(ANGLES[b, c * C:(c + 1) * C, h, :], ang_raw[slot, :, :])
+        T.async_copy(DA_CS[b, h, c * C:(c + 1) * C], da_raw[slot, :])
+        if reduceO:
+            T.async_copy(DOUT[b, c * C:(c + 1) * C, h, p0:p0 + bp], do_raw[slot, :, :])
+        else:
+            T.async_copy(DOUT[b, c * C:(c + 1) * C, :, h, p0:p0 + bp], do_raw[slot, :, :, :])
+        if hasZ:
+            T.async_copy(Z[b, c * C:(c + 1) * C, h, p0:p0 + bp], z_raw[slot, :, :])
 
     @T.prim_func
     def scan(Q: T.Tensor((B, S, R, G, N), dtype), Q_BIAS: T.Tensor((H, R, N), F32),
@@ -434,7 +452,12 @@ def _scan_ws_program(config: dict, shape: dict, local: bool):
             qb_s = T.alloc_shared((R, N), F32)
             mo_s = T.alloc_shared((R, bp), F32) if reduceO else None
             mz_s = T.alloc_shared((R, bp), F32) if hasZ else None
-            # the ring: one slot per chunk in flight
+            # the rings: one slot per chunk in flight; the raw inputs by cp.async, stages - 1 chunks ahead
+            q_raw = T.alloc_shared((stages, C, R, N), dtype)
+            ang_raw = T.alloc_shared((stages, C, nr), F32)
+            da_raw = T.alloc_shared((stages, C), F32)
+            do_raw = T.alloc_shared((stages, C, bp) if reduceO else (stages, C, R, bp), dtype)
+            z_raw = T.alloc_shared((stages, C, bp), dtype) if hasZ else None
             cos_s = T.alloc_shared((stages, C, nr), F32)
             sin_s = T.alloc_shared((stages, C, nr), F32)
             ea_s = T.alloc_shared((stages, C), F32)
@@ -474,29 +497,36 @@ def _scan_ws_program(config: dict, shape: dict, local: bool):
                     for i in T.Parallel(1):
                         SEG_DECAY[b, h, seg] = decay[i]    # the same value from every tile
             with T.ws(*builder_groups):
+                for k in T.serial(stages - 1):
+                    fetch(k, Q, ANGLES, DA_CS, DOUT, Z, b, h, hq, seg, p0, q_raw, ang_raw, da_raw,
+                          do_raw, z_raw)
                 for it in T.serial(L):
-                    c = (seg + 1) * L - 1 - it if K > 1 else nc - 1 - it
-                    t0 = c * C
                     slot = it % stages
-                    T.mbarrier_wait_parity(empty[slot], ((it // stages) % 2) ^ 1)
+                    # this thread's copies of step it have landed (later steps' may be in flight), then
+                    # everyone's have, and every builder is done with step it - 1 (whose raw slot is refilled)
+                    T.ptx_wait_group(copies * (stages - 2))
+                    T.sync_threads(1, builders)
+                    fetch(it + stages - 1, Q, ANGLES, DA_CS, DOUT, Z, b, h, hq, seg, p0, q_raw,
+                          ang_raw, da_raw, do_raw, z_raw)
                     for t, j in T.Parallel(C, nr):
-                        cos_s[slot, t, j] = T.cos(ANGLES[b, t0 + t, h, j])
-                        sin_s[slot, t, j] = T.sin(ANGLES[b, t0 + t, h, j])
+                        cos_s[slot, t, j] = T.cos(ang_raw[slot, t, j])
+                        sin_s[slot, t, j] = T.sin(ang_raw[slot, t, j])
                     for t in T.Parallel(C):
-                        ea_s[slot, t] = T.exp(DA_CS[b, h, t0 + t])
+                        ea_s[slot, t] = T.exp(da_raw[slot, t])
+                    T.mbarrier_wait_parity(empty[slot], ((it // stages) % 2) ^ 1)
                     T.sync_threads(1, builders)
                     for f, j in T.Parallel(F, bn):
                         t, r, n = f // R, f % R, n0 + j
                         partner = _partner(n, N)
-                        qh_s[slot, f, j] = _q_hat(T.cast(Q[b, t0 + t, r, hq, n], F32) + qb_s[r, n],
-                                                  T.cast(Q[b, t0 + t, r, hq, partner], F32) + qb_s[r, partner],
+                        qh_s[slot, f, j] = _q_hat(T.cast(q_raw[slot, t, r, n], F32) + qb_s[r, n],
+                                                  T.cast(q_raw[slot, t, r, partner], F32) + qb_s[r, partner],
                                                   n, N, nr, lambda mm: cos_s[slot, t, mm],
                                                   lambda mm: sin_s[slot, t, mm])
                     for f, j in T.Parallel(F, bp):
                         t, r = f // R, f % R
-                        dout = DOUT[b, t0 + t, h, p0 + j] if reduceO else DOUT[b, t0 + t, r, h, p0 + j]
-                        dy_s[slot, f, j] = _scan_dy(dout, Z[b, t0 + t, h, p0 + j] if hasZ else None, mo_s, mz_s,
-                                                    r, j, shape, fast) * ea_s[slot, t]
+                        dout = do_raw[slot, t, j] if reduceO else do_raw[slot, t, r, j]
+                        dy_s[slot, f, j] = _scan_dy(dout, z_raw[slot, t, j] if hasZ else None, mo_s, mz_s, r, j,
+                                                    shape, fast) * ea_s[slot, t]
                     T.fence_proxy_async()
                     T.mbarrier_arrive(full[slot])
 
