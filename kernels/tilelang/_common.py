@@ -20,9 +20,6 @@ def eligibility(kernel: str, target: str) -> str | None:
     return None
 
 
-DISABLE_THREAD_SYNC = PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC.value
-
-
 def pass_configs(tma: bool, warp_specialized: bool, aggressive_smem_merge: bool, fast_math: bool = False) -> dict:
     """TileLang pass configs for the lanes' boolean tunables (names from tilelang.transform.PassConfigKey)."""
     pc = {}

@@ -28,37 +28,20 @@ _GEMM_ALIGN_SM90 = 1024
 _ALIGN = 16
 
 
-def _allocations(program, keep) -> dict[str, int]:
-    """name -> bytes of every buffer the program allocates whose scope ``keep`` accepts."""
+def shared_buffers(program) -> dict[str, int]:
+    """name -> bytes of every shared buffer the program allocates (one pipeline stage)."""
     sizes: dict[str, int] = {}
 
     def visit(node):
         if type(node).__name__ == "SBlock":
             for b in node.alloc_buffers:
-                if keep(b.scope()):
+                if b.scope().startswith("shared"):
                     n = 1
                     for x in b.shape:
                         n *= int(x)
                     sizes[b.name] = n * b.dtype.bits // 8
     tirx.stmt_functor.post_order_visit(program.body, visit)
     return sizes
-
-
-def shared_buffers(program) -> dict[str, int]:
-    """name -> bytes of every dynamic shared buffer the program allocates (one pipeline stage)."""
-    return _allocations(program, lambda scope: scope.startswith("shared") and scope != BARRIER_SCOPE)
-
-
-def barrier_bytes(program) -> int:
-    """Static shared memory (bytes) the program's mbarriers (T.alloc_barrier) add, as the cubin counts it
-    net of the 1 KiB reservation (kernels/tilelang/_common.resource_usage): TileLang declares each as a
-    static __shared__ array, and a cubin's static shared memory comes in whole KiB (2 barriers of 2 slots,
-    32 B: 1,024 B for sm_90a and sm_121a)."""
-    used = sum(_allocations(program, lambda scope: scope == BARRIER_SCOPE).values())
-    return -(-used // 1024) * 1024
-
-
-BARRIER_SCOPE = "shared.barrier"
 
 
 def _touched(node, names: set) -> list[str]:

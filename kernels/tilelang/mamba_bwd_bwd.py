@@ -66,10 +66,10 @@ from kernels.tilelang import _smem_plan as smem_plan
 
 DSL = "tilelang"
 KERNEL = "mamba_bwd_bwd"
-TUNABLES = ("scan_segments", "threads", "scan_threads", "scan_block_N", "scan_block_P", "scan_stages", "scan_ws",
-            "global_tables", "stage_out", "paired_tiles", "fast_math")
+TUNABLES = ("scan_segments", "threads", "scan_threads", "scan_block_N", "scan_block_P", "scan_stages", "global_tables",
+            "stage_out", "paired_tiles", "fast_math")
 DEFAULTS = {"scan_segments": 1, "threads": 256, "scan_threads": 128, "scan_block_N": 64, "scan_block_P": 16,
-            "scan_stages": 2, "scan_ws": False, "global_tables": False, "stage_out": False, "paired_tiles": False,
+            "scan_stages": 2, "global_tables": False, "stage_out": False, "paired_tiles": False,
             "fast_math": True}
 TARGETS = tl.TARGETS
 DTYPES = ("float16", "bfloat16")
@@ -82,15 +82,10 @@ def config_reason(config: dict, shape: dict) -> str | None:
     if shape["dtype"] not in DTYPES:
         return f"dtype {shape['dtype']} not supported (have {', '.join(DTYPES)})"
     # The values each knob may take are the sweep file's (sweeps/mamba_bwd_bwd/tilelang.toml); the harness checks them.
-    if c["scan_ws"]:
-        # one consumer warpgroup holds the dS tile (one 64-row wgmma) in fp32 registers, 64 a thread at most
-        if c["scan_block_N"] != 64 or c["scan_block_P"] > 128 or c["scan_stages"] < 2:
-            return (f"scan_ws needs scan_block_N = 64, scan_block_P <= 128 and scan_stages >= 2 (ring slots); "
-                    f"got {c['scan_block_N']}, {c['scan_block_P']}, {c['scan_stages']}")
-    elif c["scan_stages"] not in (0, 2):
+    if c["scan_stages"] not in (0, 2):
         # 3 stages gave a wrong dS at nc = 256 (H100, 2026-11-22, run 20261122T113445Z, parity caught it;
         # it passed at the 3-chunk parity shapes): the scan's pipeline is validated at 0 and 2 only.
-        return f"scan_stages={c['scan_stages']} must be 0 or 2 (without scan_ws)"
+        return f"scan_stages={c['scan_stages']} must be 0 or 2"
     for key, dim in (("scan_block_N", "N"), ("scan_block_P", "P")):
         v = c[key]
         if not isinstance(v, int) or v < 16 or shape[dim] % v:
@@ -143,17 +138,14 @@ def _pass_configs(config: dict, kernel: str) -> dict:
     """Pass configs of one of the three kernels. Only the chunk kernel takes the aggressive merge: in
     the scan, TileLang 0.1.15's planner gave dy_s the memory of z_raw / do_raw, which the loop that
     writes dy_s still reads (scan_stages = 0: every config, every shape), so dS came out wrong."""
-    pc = tl.pass_configs(False, False, kernel == "chunk", config["fast_math"])
-    if kernel != "chunk" and config["scan_ws"]:
-        pc[tl.DISABLE_THREAD_SYNC] = True    # its warps sync by mbarriers and a named barrier of their own
-    return pc
+    return tl.pass_configs(False, False, kernel == "chunk", config["fast_math"])
 
 
 # The scan's T.Pipelined copies, in the order its prologue first touches them (TileLang 0.1.15).
 _SCAN_PIPELINED = ("ang_raw", "q_raw", "do_raw", "z_raw", "da_raw")
 # Config keys that change the shared buffers (or their alignment) of each kernel.
 _SMEM_KEYS = {"chunk": ("threads", "global_tables", "stage_out", "paired_tiles"),
-              "scan": ("scan_block_N", "scan_block_P", "scan_stages", "scan_threads", "scan_ws")}
+              "scan": ("scan_block_N", "scan_block_P", "scan_stages", "scan_threads")}
 
 
 def smem_estimate(config: dict, shape: dict, target: str) -> int:
@@ -175,8 +167,6 @@ def _planned(kernel: str, key: tuple, shape_key: tuple, target: str) -> int:
     if kernel == "chunk":
         return smem_plan.planned_bytes(program, target, True,
                                        reduce_workspace=4 * config["threads"])
-    if config["scan_ws"]:     # its ring slots are in the buffers' shapes; its mbarriers are static shared memory
-        return smem_plan.planned_bytes(program, target, False) + smem_plan.barrier_bytes(program)
     return smem_plan.planned_bytes(program, target, False, {n: max(config["scan_stages"], 1) for n in _SCAN_PIPELINED})
 
 
@@ -236,33 +226,6 @@ def _sin(sin_s, ANGLES, b, t0, h, t, j):
     return sin_s[t, j] if sin_s is not None else T.sin(ANGLES[b, t0 + t, h, j])
 
 
-def _partner(n, N: int):
-    """The rotary partner column of column n (n +- N/2). Modulo, not a select of n +- N/2: TileLang 0.1.15
-    puts a barrier in every step of a gather indexed by a select (tests/test_tilelang_mamba.py, rotary
-    gathers)."""
-    return (n + N // 2) % N
-
-
-def _q_hat(x, y, n, N: int, nr: int, cos_at, sin_at):
-    """q_hat at column n, fp32, from x = q[n] + bias and y = the same at its rotary partner: rotated by
-    the step's angle (cos_at / sin_at of the pair index) on the first nr pairs of each half, x beyond."""
-    m = n % (N // 2)
-    sgn = T.if_then_else(n < N // 2, -1.0, 1.0)
-    mm = T.min(m, nr - 1)
-    return T.if_then_else(m < nr, x * cos_at(mm) + sgn * y * sin_at(mm), x)
-
-
-def _scan_dy(dout, z, mo_s, mz_s, r, j, shape: dict, fast: bool):
-    """The scan's dL/dy at rank r, tile column j, fp32 (before exp(DA_CS)): ``dout`` (that rank's, or the
-    step's when reduceO) through Phi (mo_s) and the SiLU(z * Zeta) gate (mz_s)."""
-    d = T.cast(dout, F32)
-    if shape["reduceO"]:
-        d = d * mo_s[r, j]
-    if shape["hasZ"]:
-        d = d * _silu(T.cast(z, F32) * mz_s[r, j], fast)
-    return d
-
-
 def _scan_program(config: dict, shape: dict, local: bool = False):
     """dS scan over the chunks in reverse, from dS = 0.
 
@@ -273,15 +236,17 @@ def _scan_program(config: dict, shape: dict, local: bool = False):
     segment k from carry_k = sum over j > k of (decay of segments k+1..j-1) * CARRY_j, composed
     from j = K-1 down (the recurrence is linear in dS), and walks only its own chunks: 2L serial
     steps instead of nc, on K times the CTAs."""
-    if config["scan_ws"]:
-        return _scan_ws_program(config, shape, local)
     B, S, H, G, N, P, R, C, nc, nr, F = _dims(shape)
     dtype = shape["dtype"]
     bn, bp, threads, stages = config["scan_block_N"], config["scan_block_P"], config["scan_threads"], config["scan_stages"]
-    tiles_p, tiles, K, L, grid_segments, seg_first = _scan_grid(config, shape, local)
+    tiles_p = P // bp
+    tiles = (N // bn) * tiles_p
+    half = N // 2
     reduceO, hasZ = shape["reduceO"], shape["hasZ"]
     dout_shape = (B, S, H, P) if reduceO else (B, S, R, H, P)
-    carry_in = _carry_in(K, bn, bp)
+    K = _segments(config, shape)
+    L = nc // K
+    grid_segments, seg_first = (K - 1, 1) if local else (K, 0)
 
     @T.prim_func
     def scan(Q: T.Tensor((B, S, R, G, N), dtype), Q_BIAS: T.Tensor((H, R, N), F32),
@@ -328,7 +293,12 @@ def _scan_program(config: dict, shape: dict, local: bool = False):
                 T.copy(MIMO_Z[h, :, p0:p0 + bp], mz_s)
             T.clear(ds_f)
             if K > 1 and not local:
-                carry_in(ds_f, CARRY, SEG_DECAY, b, h, seg, n0, p0)
+                # carry_k = CARRY_{k+1} + decay_{k+1} (CARRY_{k+2} + decay_{k+2} (...)), innermost first
+                for jj in T.serial(K - 1):
+                    j = K - 1 - jj
+                    if j > seg:
+                        for i, p in T.Parallel(bn, bp):
+                            ds_f[i, p] = ds_f[i, p] * SEG_DECAY[b, h, j] + CARRY[b, h, j, n0 + i, p0 + p]
             for it in T.Pipelined(L, num_stages=stages):
                 c = (seg + 1) * L - 1 - it if K > 1 else nc - 1 - it    # static when whole: no bounds guards
                 T.copy(Q[b, c * C:(c + 1) * C, :, hq, :], q_raw)
@@ -353,16 +323,28 @@ def _scan_program(config: dict, shape: dict, local: bool = False):
                 for t in T.Parallel(C):
                     ea_s[t] = T.exp(da_raw[t])
                 for f, j in T.Parallel(F, bn):
-                    t, r, n = f // R, f % R, n0 + j
-                    partner = _partner(n, N)
-                    qh_s[f, j] = _q_hat(T.cast(q_raw[t, r, n], F32) + qb_s[r, n],
-                                        T.cast(q_raw[t, r, partner], F32) + qb_s[r, partner], n, N, nr,
-                                        lambda mm: cos_s[t, mm], lambda mm: sin_s[t, mm])
+                    t = f // R
+                    r = f % R
+                    n = n0 + j
+                    m = n % half
+                    # Modulo, not a select of n +- N/2: TileLang 0.1.15 puts a barrier in every step of a
+                    # gather indexed by a select (tests/test_tilelang_mamba.py, rotary gathers).
+                    partner = (n + half) % N
+                    x = T.cast(q_raw[t, r, n], F32) + qb_s[r, n]
+                    y = T.cast(q_raw[t, r, partner], F32) + qb_s[r, partner]
+                    sgn = T.if_then_else(n < half, -1.0, 1.0)
+                    mm = T.min(m, nr - 1)
+                    qh_s[f, j] = T.if_then_else(m < nr, x * cos_s[t, mm] + sgn * y * sin_s[t, mm], x)
                 for f, j in T.Parallel(F, bp):
-                    t, r = f // R, f % R
-                    dout = do_raw[t, j] if reduceO else do_raw[t, r, j]
-                    dy_s[f, j] = _scan_dy(dout, z_raw[t, j] if hasZ else None, mo_s, mz_s, r, j, shape,
-                                          config["fast_math"]) * ea_s[t]
+                    t = f // R
+                    r = f % R
+                    if reduceO:
+                        d = T.cast(do_raw[t, j], F32) * mo_s[r, j]
+                    else:
+                        d = T.cast(do_raw[t, r, j], F32)
+                    if hasZ:
+                        d = d * _silu(T.cast(z_raw[t, j], F32) * mz_s[r, j], config["fast_math"])
+                    dy_s[f, j] = d * ea_s[t]
                 for i, j in T.Parallel(bn, bp):
                     ds_f[i, j] = ds_f[i, j] * ea_s[C - 1]
                 T.gemm(qh_s, dy_s, ds_f, transpose_A=True)
@@ -370,165 +352,6 @@ def _scan_program(config: dict, shape: dict, local: bool = False):
                 T.copy(ds_f, CARRY[b, h, seg, n0:n0 + bn, p0:p0 + bp])
                 for i in T.Parallel(1):
                     SEG_DECAY[b, h, seg] = T.exp(log_decay[i])    # the same value from every tile
-
-    return scan
-
-
-def _scan_grid(config: dict, shape: dict, local: bool):
-    """(P tiles, dS tiles, segments K, chunks per segment L, segments in the grid, first segment) of a scan."""
-    tiles_p = shape["P"] // config["scan_block_P"]
-    K = _segments(config, shape)
-    grid_segments, seg_first = (K - 1, 1) if local else (K, 0)
-    return tiles_p, (shape["N"] // config["scan_block_N"]) * tiles_p, K, shape["S"] // shape["C"] // K, \
-        grid_segments, seg_first
-
-
-def _carry_in(K: int, bn: int, bp: int):
-    @T.macro
-    def carry_in(ds_f, CARRY, SEG_DECAY, b, h, seg, n0, p0):
-        """ds_f = carry_seg = CARRY_{seg+1} + decay_{seg+1} (CARRY_{seg+2} + ...), innermost first."""
-        for jj in T.serial(K - 1):
-            j = K - 1 - jj
-            if j > seg:
-                for i, p in T.Parallel(bn, bp):
-                    ds_f[i, p] = ds_f[i, p] * SEG_DECAY[b, h, j] + CARRY[b, h, j, n0 + i, p0 + p]
-    return carry_in
-
-
-def _scan_ws_program(config: dict, shape: dict, local: bool):
-    """The scan with its warps specialized (``scan_ws``): the same recurrence as ``_scan_program``, but
-    only one warpgroup (warps 0-3, the consumer) walks the serial chain, and ``scan_threads`` more threads
-    (the builders) make its operands ahead of it.
-
-    Per chunk the chain needs only dS_c out, dS *= exp(DA_CS_last) and dS += q_hat^T dy, one 64-row
-    wgmma; q_hat (bias + rotary) and dy (Phi, gate, exp(DA_CS)) do not depend on dS. In the classic scan
-    every thread builds them and then waits on the GEMM, so each serial step pays the build's latency;
-    here the builders fill ``scan_stages`` ring slots (q_hat, dy, the step's exp(DA_CS) and cos / sin
-    tables) from global memory, up to that many chunks ahead, and hand each over by mbarrier (full: all
-    builders arrived; empty: the consumer's GEMM has read it). TileLang's automatic barriers are off for
-    this kernel (``_pass_configs``): the builders sync among themselves by a named barrier (their tables,
-    then the tiles built from them), and fence their generic-proxy stores before the wgmma reads them."""
-    B, S, H, G, N, P, R, C, nc, nr, F = _dims(shape)
-    dtype = shape["dtype"]
-    bn, bp, builders, stages = config["scan_block_N"], config["scan_block_P"], config["scan_threads"], config["scan_stages"]
-    tiles_p, tiles, K, L, grid_segments, seg_first = _scan_grid(config, shape, local)
-    reduceO, hasZ = shape["reduceO"], shape["hasZ"]
-    dout_shape = (B, S, H, P) if reduceO else (B, S, R, H, P)
-    carry_in = _carry_in(K, bn, bp)
-    builder_groups = tuple(range(1, 1 + builders // 128))
-    fast = config["fast_math"]
-    copies = 5 if hasZ else 4     # cp.async groups a fetch commits (one per T.async_copy)
-
-    @T.macro
-    def fetch(k, Q, ANGLES, DA_CS, DOUT, Z, b, h, hq, seg, p0, q_raw, ang_raw, da_raw, do_raw, z_raw):
-        """The raw inputs of step k into ring slot k % stages, by cp.async (no wait). Past the last step it
-        copies the last step's again (into a free slot), so that every step commits as many groups."""
-        last = T.min(k, L - 1)
-        c = (seg + 1) * L - 1 - last if K > 1 else nc - 1 - last
-        slot = k % stages
-        T.async_copy(Q[b, c * C:(c + 1) * C, :, hq, :], q_raw[slot, :, :, :])
-        T.async_copy(ANGLES[b, c * C:(c + 1) * C, h, :], ang_raw[slot, :, :])
-        T.async_copy(DA_CS[b, h, c * C:(c + 1) * C], da_raw[slot, :])
-        if reduceO:
-            T.async_copy(DOUT[b, c * C:(c + 1) * C, h, p0:p0 + bp], do_raw[slot, :, :])
-        else:
-            T.async_copy(DOUT[b, c * C:(c + 1) * C, :, h, p0:p0 + bp], do_raw[slot, :, :, :])
-        if hasZ:
-            T.async_copy(Z[b, c * C:(c + 1) * C, h, p0:p0 + bp], z_raw[slot, :, :])
-
-    @T.prim_func
-    def scan(Q: T.Tensor((B, S, R, G, N), dtype), Q_BIAS: T.Tensor((H, R, N), F32),
-             ANGLES: T.Tensor((B, S, H, nr), F32), DA_CS: T.Tensor((B, H, S), F32),
-             DOUT: T.Tensor(dout_shape, dtype), Z: T.Tensor((B, S, H, P), dtype),
-             MIMO_O: T.Tensor((H, R, P), F32), MIMO_Z: T.Tensor((H, R, P), F32),
-             DSTATES: T.Tensor((B, H, nc, N, P), dtype), CARRY: T.Tensor((B, H, K, N, P), F32),
-             SEG_DECAY: T.Tensor((B, H, K), F32)):
-        with T.Kernel(H, B, tiles * grid_segments, threads=128 + builders) as (h, b, bz):
-            hq = h // (H // G)
-            tile = bz % tiles
-            seg = bz // tiles + seg_first
-            n0 = (tile // tiles_p) * bn
-            p0 = (tile % tiles_p) * bp
-            qb_s = T.alloc_shared((R, N), F32)
-            mo_s = T.alloc_shared((R, bp), F32) if reduceO else None
-            mz_s = T.alloc_shared((R, bp), F32) if hasZ else None
-            # the rings: one slot per chunk in flight; the raw inputs by cp.async, stages - 1 chunks ahead
-            q_raw = T.alloc_shared((stages, C, R, N), dtype)
-            ang_raw = T.alloc_shared((stages, C, nr), F32)
-            da_raw = T.alloc_shared((stages, C), F32)
-            do_raw = T.alloc_shared((stages, C, bp) if reduceO else (stages, C, R, bp), dtype)
-            z_raw = T.alloc_shared((stages, C, bp), dtype) if hasZ else None
-            cos_s = T.alloc_shared((stages, C, nr), F32)
-            sin_s = T.alloc_shared((stages, C, nr), F32)
-            ea_s = T.alloc_shared((stages, C), F32)
-            qh_s = T.alloc_shared((stages, F, bn), dtype)
-            dy_s = T.alloc_shared((stages, F, bp), dtype)
-            full = T.alloc_barrier([builders] * stages)
-            empty = T.alloc_barrier([128] * stages)
-            T.copy(Q_BIAS[h, :, :], qb_s)
-            if reduceO:
-                T.copy(MIMO_O[h, :, p0:p0 + bp], mo_s)
-            if hasZ:
-                T.copy(MIMO_Z[h, :, p0:p0 + bp], mz_s)
-            T.sync_threads()
-            with T.ws(0):
-                ds_f = T.alloc_fragment((bn, bp), F32)
-                T.clear(ds_f)
-                if local:
-                    decay = T.alloc_fragment((1,), F32)
-                    T.fill(decay, 1.0)
-                if K > 1 and not local:
-                    carry_in(ds_f, CARRY, SEG_DECAY, b, h, seg, n0, p0)
-                for it in T.serial(L):
-                    c = (seg + 1) * L - 1 - it if K > 1 else nc - 1 - it
-                    slot = it % stages
-                    if not local:
-                        T.copy(ds_f, DSTATES[b, h, c, n0:n0 + bn, p0:p0 + bp])
-                    T.mbarrier_wait_parity(full[slot], (it // stages) % 2)
-                    for i, j in T.Parallel(bn, bp):
-                        ds_f[i, j] = ds_f[i, j] * ea_s[slot, C - 1]
-                    if local:
-                        for i in T.Parallel(1):
-                            decay[i] = decay[i] * ea_s[slot, C - 1]
-                    T.gemm(qh_s[slot, :, :], dy_s[slot, :, :], ds_f, transpose_A=True)
-                    T.mbarrier_arrive(empty[slot])
-                if local:
-                    T.copy(ds_f, CARRY[b, h, seg, n0:n0 + bn, p0:p0 + bp])
-                    for i in T.Parallel(1):
-                        SEG_DECAY[b, h, seg] = decay[i]    # the same value from every tile
-            with T.ws(*builder_groups):
-                for k in T.serial(stages - 1):
-                    fetch(k, Q, ANGLES, DA_CS, DOUT, Z, b, h, hq, seg, p0, q_raw, ang_raw, da_raw,
-                          do_raw, z_raw)
-                for it in T.serial(L):
-                    slot = it % stages
-                    # this thread's copies of step it have landed (later steps' may be in flight), then
-                    # everyone's have, and every builder is done with step it - 1 (whose raw slot is refilled)
-                    T.ptx_wait_group(copies * (stages - 2))
-                    T.sync_threads(1, builders)
-                    fetch(it + stages - 1, Q, ANGLES, DA_CS, DOUT, Z, b, h, hq, seg, p0, q_raw,
-                          ang_raw, da_raw, do_raw, z_raw)
-                    for t, j in T.Parallel(C, nr):
-                        cos_s[slot, t, j] = T.cos(ang_raw[slot, t, j])
-                        sin_s[slot, t, j] = T.sin(ang_raw[slot, t, j])
-                    for t in T.Parallel(C):
-                        ea_s[slot, t] = T.exp(da_raw[slot, t])
-                    T.mbarrier_wait_parity(empty[slot], ((it // stages) % 2) ^ 1)
-                    T.sync_threads(1, builders)
-                    for f, j in T.Parallel(F, bn):
-                        t, r, n = f // R, f % R, n0 + j
-                        partner = _partner(n, N)
-                        qh_s[slot, f, j] = _q_hat(T.cast(q_raw[slot, t, r, n], F32) + qb_s[r, n],
-                                                  T.cast(q_raw[slot, t, r, partner], F32) + qb_s[r, partner],
-                                                  n, N, nr, lambda mm: cos_s[slot, t, mm],
-                                                  lambda mm: sin_s[slot, t, mm])
-                    for f, j in T.Parallel(F, bp):
-                        t, r = f // R, f % R
-                        dout = do_raw[slot, t, j] if reduceO else do_raw[slot, t, r, j]
-                        dy_s[slot, f, j] = _scan_dy(dout, z_raw[slot, t, j] if hasZ else None, mo_s, mz_s, r, j,
-                                                    shape, fast) * ea_s[slot, t]
-                    T.fence_proxy_async()
-                    T.mbarrier_arrive(full[slot])
 
     return scan
 
