@@ -2,10 +2,11 @@
 
 For each entry the gate finds stale, slower (an earlier A/B's SLOWER verdict at today's code: re-judged
 against the same previous code) or never measured on this device (the present profile, or a
-profile named with --device, emulated), the stale shapes are re-swept: the previous committed best
-config is enqueued first, then a bounded number of new trials. Then, per shape, the previous best
-(its config run by the code it was measured with: the lane's files at that row's git commit, copied
-by ``identity.materialize``) and the new best (the checkout) are timed interleaved, twice: once with
+profile named with --device, emulated), each stale shape in turn is re-swept (the previous committed
+best config enqueued first, then a bounded number of new trials) and judged before the next one
+(a run stopped part way keeps its finished shapes' verdicts): the previous best (its config run by
+the code it was measured with: the lane's files at that row's git commit, copied by
+``identity.materialize``) and the new best (the checkout) are timed interleaved, twice: once with
 the previous lane first and once with the checkout's first (built, warmed up and listed first), each
 half of the time budget, and each side's samples pooled over both (``ab_counterbalanced``). The ratio
 new / previous of the pooled medians with its 95% interval gives FASTER / SAME / SLOWER. Exit 1 on
@@ -169,22 +170,24 @@ def refresh(df: pd.DataFrame, present: PresentGPU | None, *, devices: list[str] 
             return not sp.unlisted(lane.full_config({k: v for k, v in cfg.items() if k in lane.module.TUNABLES}))
 
         out(f"gate --run: {e.kernel} {e.dsl} {e.device}: {e.status}; re-sweeping {', '.join(todo)}")
-        req = sweep.SweepRequest(
-            kernel=e.kernel, device=e.device, dsls=[e.dsl], shapes=todo, trials=trials, new_trials=True,
-            timeout_s=timeout_s,
-            emulate=e.device != here, results_dir=results_dir, baseline=False, confirm=False, progress=False,
-            seeds={(e.dsl, s): _reseeds(rows[rows["shape"] == s], listed) for s in todo if s in prev})
-        sw, _ = sweep.run(req, present, runner=runner, out=out)
-        new_rows = pd.DataFrame(sw.writer.rows)
-        wrong = new_rows[new_rows["status"] == "wrong_result"] if not new_rows.empty else new_rows
-        for _, w in wrong.iterrows():
-            failed = True
-            was = " (the previous best)" if w["shape"] in prev and \
-                json.loads(w["config_json"]) == json.loads(prev[w["shape"]]["config_json"]) else ""
-            out(f"PARITY FAIL {e.kernel} {e.dsl} {e.device} {w['shape']}{was}: {w['config_json']}: {str(w['error'])[:200]}")
-        good = new_rows[(new_rows["status"] == "ok")] if not new_rows.empty else new_rows
         ab_runner = runner
+        # One shape at a time, each judged before the next is swept: a run stopped part way (a call's time
+        # limit) keeps the verdicts of the shapes it finished, and the next gate --run starts from the rest.
         for shape in todo:
+            req = sweep.SweepRequest(
+                kernel=e.kernel, device=e.device, dsls=[e.dsl], shapes=[shape], trials=trials, new_trials=True,
+                timeout_s=timeout_s,
+                emulate=e.device != here, results_dir=results_dir, baseline=False, confirm=False, progress=False,
+                seeds={(e.dsl, shape): _reseeds(rows[rows["shape"] == shape], listed)} if shape in prev else {})
+            sw, _ = sweep.run(req, present, runner=runner, out=out)
+            new_rows = pd.DataFrame(sw.writer.rows)
+            wrong = new_rows[new_rows["status"] == "wrong_result"] if not new_rows.empty else new_rows
+            for _, w in wrong.iterrows():
+                failed = True
+                was = " (the previous best)" if shape in prev and \
+                    json.loads(w["config_json"]) == json.loads(prev[shape]["config_json"]) else ""
+                out(f"PARITY FAIL {e.kernel} {e.dsl} {e.device} {shape}{was}: {w['config_json']}: {str(w['error'])[:200]}")
+            good = new_rows[(new_rows["status"] == "ok")] if not new_rows.empty else new_rows
             # Today's code at this shape: its fastest row, of this re-sweep or committed before (a re-check
             # of a slower entry re-measures only the seeds; its study's best may be an earlier trial).
             mine = pd.concat([f[f["shape"] == shape] for f in (good, today) if not f.empty])

@@ -566,6 +566,37 @@ def test_gate_run_shape_rechecks_a_fresh_entry(lab_env):
         gate_run.refresh(df, present_h100(), kernels=["gemm"], dsls=["sim"], shapes=["nope"], runner=runner)
 
 
+def test_gate_run_judges_each_shape_before_sweeping_the_next(lab_env):
+    """A gate --run stopped part way (a device call's time limit) keeps the A/B verdicts of the shapes it
+    finished: each shape is re-swept and judged before the next. It once re-swept every shape first and
+    judged them after, so a run stopped in its third shape kept no verdict at all (H100, 2026-11-28, run
+    20261128T002922Z-mamba_bwd_bwd-h100-781)."""
+    from lab import gate_run
+    from tests.test_sweep_engine import present_h100
+    registry._LANES.clear()
+    df = _committed_sim_row(lab_env, SIM_BEST, {"tests/fake_lanes/sim/gemm.py": "old"})
+    _default_shapes(lab_env, ["tiny", "tiny_fp16"])
+    second = {**df.iloc[0].to_dict(), "run_id": "previous-fp16", "shape": "tiny_fp16", "dtype": "float16",
+              "shape_json": json.dumps({"M": 33, "N": 24, "K": 40, "dtype": "float16"})}
+    results.RunWriter(lab_env.results / "h100" / "gemm", "previous-fp16").add(second)
+    df = results.load(lab_env.results)
+
+    class StopsAtTheSecondShape(ABRunner):
+        def run(self, task, timeout_s):
+            if task.get("kind") != "abab" and task["shape"]["dtype"] == "float16":
+                raise KeyboardInterrupt
+            return super().run(task, timeout_s)
+
+    lines = []
+    with pytest.raises(KeyboardInterrupt):
+        gate_run.refresh(df, present_h100(), kernels=["gemm"], dsls=["sim"], trials=0,
+                         results_dir=lab_env.results, runner=StopsAtTheSecondShape(1.0), out=lines.append)
+    assert any(line.startswith("gemm sim h100 tiny: previous") for line in lines), lines
+    after = results.load(lab_env.results)
+    judged = after[after["phase"].isin(["gate_previous", "gate_checkout"])]
+    assert set(judged["shape"]) == {"tiny"} and len(judged) == 2
+
+
 @pytest.mark.parametrize("trials", [0, 2])
 def test_gate_run_trials_are_new_configs_after_the_previous_best(lab_env, trials):
     """--trials N re-measures the previous best, then N new configs (0: the previous best alone; it once
