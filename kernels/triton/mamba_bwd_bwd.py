@@ -89,10 +89,10 @@ from lab.problems import _mamba3 as m3
 DSL = "triton"
 KERNEL = "mamba_bwd_bwd"
 TUNABLES = ("SCAN_BJ", "SCAN_BP", "scan_warps", "scan_stages", "scan_segments", "KEY_BJ", "KEY_BP", "key_warps",
-            "VALUE_BJ", "BLOCK_P", "chunk_warps", "chunk_stages", "key_maxnreg", "value_maxnreg")
+            "VALUE_BJ", "BLOCK_P", "chunk_warps", "chunk_stages", "key_maxnreg", "value_maxnreg", "fused_chunk")
 DEFAULTS = {"SCAN_BJ": 16, "SCAN_BP": 32, "scan_warps": 4, "scan_stages": 2, "scan_segments": 1, "KEY_BJ": 16,
             "KEY_BP": 32, "key_warps": 8, "VALUE_BJ": 16, "BLOCK_P": 32, "chunk_warps": 8, "chunk_stages": 1,
-            "key_maxnreg": 128, "value_maxnreg": 128}
+            "key_maxnreg": 128, "value_maxnreg": 128, "fused_chunk": False}
 _TL = {"bfloat16": "bf16", "float16": "fp16"}
 ANGLE_BLOCK = 1024   # angles per program of _angles
 
@@ -549,6 +549,149 @@ def _chunk_v(QH, KH, V, PSI, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, ZETA, DPARAM
 
 
 @triton.jit
+def _rotated_qk(Q, K, QB, KB, COS, SIN, b, h, g, s, row, r, S, H, G,
+                N: tl.constexpr, R: tl.constexpr, NR: tl.constexpr, FENCE: tl.constexpr):
+    """Biased q and k of a chunk's fused rows on all of N, rotated with _angles' cos / sin (1, 0 beyond
+    N / rd): q_hat lo, hi, rot(k) lo, hi (fenced), cos, sin; each [F, N/2] fp32."""
+    NH: tl.constexpr = N // 2
+    jj = tl.arange(0, NH)
+    src = (row[:, None] * G + g) * N + jj[None, :]
+    bias = (h * R + r[:, None]) * N + jj[None, :]
+    at = ((b * S + s[:, None]) * H + h) * NR + jj[None, :]
+    cos = tl.load(COS + at, mask=jj[None, :] < NR, other=1.0)
+    sin = tl.load(SIN + at, mask=jj[None, :] < NR, other=0.0)
+    q_lo = tl.load(Q + src).to(tl.float32) + tl.load(QB + bias)
+    q_hi = tl.load(Q + src + NH).to(tl.float32) + tl.load(QB + bias + NH)
+    qh_lo, qh_hi = _rot(q_lo, q_hi, cos, sin)
+    k_lo = tl.load(K + src).to(tl.float32) + tl.load(KB + bias)
+    k_hi = tl.load(K + src + NH).to(tl.float32) + tl.load(KB + bias + NH)
+    kr_lo, kr_hi = _rot(k_lo, k_hi, cos, sin)
+    return _fence(qh_lo, FENCE), _fence(qh_hi, FENCE), _fence(kr_lo, FENCE), _fence(kr_hi, FENCE), cos, sin
+
+
+@triton.jit
+def _chunk(Q, K, QB, KB, V, PSI, COS, SIN, DA, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, ZETA, DPARAM, STATES, DS,
+           DQ, DK, DANG, DV, DFACTOR, DGAMMA, DDA, DDA_CS, DDA_CS_REV, DSSDA, DPSI_WS, DD_WS, S, H, G, NC,
+           N: tl.constexpr, P: tl.constexpr, R: tl.constexpr, C: tl.constexpr, NR: tl.constexpr,
+           BP: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr, REDUCE_O: tl.constexpr,
+           STAGES: tl.constexpr, FENCE: tl.constexpr):
+    """Both sides of one chunk on all of N (fused_chunk): one P loop (BP columns a step) reads PsiV, dy,
+    dS and STATES once and feeds the key side's products (PsiV dy^T, PsiV dS^T, dy STATES^T, the DDA and
+    DD sums) and the value side's (dPsiV = exp(DA_CS_REV) k_hat dS + a_v dy: DV and the DMIMO_V
+    partial), with k_hat and a_v (from k_hat q_hat^T) built before it; after it every per-chunk output,
+    with q and k read again (L2) rather than held across the loop. No q_hat / k_hat or row-sum
+    workspace, and no product computed twice."""
+    F: tl.constexpr = C * R
+    NH: tl.constexpr = N // 2
+    c, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    g = h // (H // G)
+    dt = Q.dtype.element_ty
+    f = tl.arange(0, F)
+    t, r = f // R, f % R
+    s = c * C + t
+    tc = tl.arange(0, C)
+    bh = b * H + h
+    row = b * S * R + c * F + f
+    jh = tl.arange(0, NH)
+    gamma, factor, er = _gates(DT, TRAP, DAR, bh, s, S)
+    decay, same = _decay(SEG, bh, c, t, NC, C, R, F)
+    qkd_at = QKD + ((bh * S + c * C + t[:, None]) * R + (f % R)[None, :]) * R + r[:, None]
+
+    qh_lo, qh_hi, kr_lo, kr_hi, cos, sin = _rotated_qk(Q, K, QB, KB, COS, SIN, b, h, g, s, row, r, S, H, G, N, R,
+                                                       NR, FENCE)
+    kh_lo, kh_hi = (kr_lo * factor[:, None]).to(dt), (kr_hi * factor[:, None]).to(dt)
+    lkq = tl.dot(kh_lo, tl.trans(qh_lo.to(dt))) + tl.dot(kh_hi, tl.trans(qh_hi.to(dt)))
+    qkd = tl.load(qkd_at, mask=same, other=0.0).to(tl.float32)
+    # dPsiV's operand against dy: exp(SEGSUM) k_hat.q_hat below the diagonal blocks, gamma q.k on them.
+    a_v = _fence(tl.where(same, qkd * gamma[:, None], lkq * decay), FENCE).to(dt)
+
+    dkq = tl.zeros((F, F), dtype=tl.float32)            # PsiV_s . dy_t
+    dks_lo = tl.zeros((F, NH), dtype=tl.float32)        # PsiV dS^T
+    dks_hi = tl.zeros((F, NH), dtype=tl.float32)
+    dqs_lo = tl.zeros((F, NH), dtype=tl.float32)        # dy STATES^T
+    dqs_hi = tl.zeros((F, NH), dtype=tl.float32)
+    dda = 0.0
+    dd = 0.0
+    if HAS_D:
+        dpar = tl.load(DPARAM + h)
+    for p0 in tl.range(0, P, BP, num_stages=STAGES):
+        pp = p0 + tl.arange(0, BP)
+        # The step's loads first (see _chunk_k's P loop).
+        v, psi = _step_rows(V, b, h, c, pp, S, H, R, C, P), _rank_rows(PSI, h, pp, R, C, P)
+        d, phi, z, zeta = _dy_load(DOUT, PHI, Z, ZETA, b, h, c, pp, S, H, R, C, P, HAS_Z, REDUCE_O)
+        cell = (bh * NC + c) * N * P + jh[:, None] * P + pp[None, :]
+        ds_lo, ds_hi = tl.load(DS + cell), tl.load(DS + cell + NH * P)
+        st_lo, st_hi = tl.load(STATES + cell).to(dt), tl.load(STATES + cell + NH * P).to(dt)
+        psiv = _fence(v * psi, FENCE)
+        dy = _fence(_dy_from(d, phi, z, zeta, HAS_Z, REDUCE_O), FENCE)
+        psiv16, dy16 = psiv.to(dt), dy.to(dt)
+        if HAS_D:
+            dd += tl.sum(tl.sum(psiv * dy, 1), 0)
+        dda += tl.sum(tl.sum(st_lo.to(tl.float32) * ds_lo.to(tl.float32) +
+                             st_hi.to(tl.float32) * ds_hi.to(tl.float32), 1), 0)
+        dkq += tl.dot(psiv16, tl.trans(dy16))
+        dks_lo += tl.dot(psiv16, tl.trans(ds_lo))
+        dks_hi += tl.dot(psiv16, tl.trans(ds_hi))
+        dqs_lo += tl.dot(dy16, tl.trans(st_lo))
+        dqs_hi += tl.dot(dy16, tl.trans(st_hi))
+        # Value side: one product per rotary half (see _chunk_v).
+        khds = tl.dot(kh_lo, ds_lo)
+        khds += tl.dot(kh_hi, ds_hi)
+        dpsiv = er[:, None] * khds + tl.dot(a_v, dy16)
+        dv = tl.sum(tl.reshape(dpsiv * psi, (C, R, BP)), 1)
+        dpsi = tl.sum(tl.reshape(dpsiv * v, (C, R, BP)), 0)
+        if HAS_D:
+            dyd = dpar * dy
+            dv += tl.sum(tl.reshape(dyd * psi, (C, R, BP)), 1)
+            dpsi += tl.sum(tl.reshape(dyd * v, (C, R, BP)), 0)
+        tl.store(DV + ((b * S + c * C + tc[:, None]) * H + h) * P + pp[None, :], dv.to(dt))
+        ra = tl.arange(0, R)
+        tl.store(DPSI_WS + ((bh * NC + c) * R + ra[:, None]) * P + pp[None, :], dpsi)
+
+    per_step = bh * S + c * C + tc
+    a_last = tl.exp(tl.load(DA + bh * S + c * C + C - 1))
+    tl.store(DDA + per_step, tl.zeros((C,), dtype=tl.float32) + a_last * dda)
+    if HAS_D:
+        tl.store(DD_WS + bh * NC + c, dd)
+    qkd = tl.load(qkd_at, mask=same, other=0.0).to(tl.float32)
+    tl.store(DGAMMA + per_step, _group(tl.sum(qkd * dkq, 1), C, R))
+
+    qh_lo, qh_hi, kr_lo, kr_hi, cos, sin = _rotated_qk(Q, K, QB, KB, COS, SIN, b, h, g, s, row, r, S, H, G, N, R,
+                                                       NR, FENCE)
+    kh_lo, kh_hi = (kr_lo * factor[:, None]).to(dt), (kr_hi * factor[:, None]).to(dt)
+    qh16_lo, qh16_hi = qh_lo.to(dt), qh_hi.to(dt)
+    lkq = tl.dot(kh_lo, tl.trans(qh16_lo)) + tl.dot(kh_hi, tl.trans(qh16_hi))
+    ssda = tl.sum(tl.sum(tl.reshape(lkq * dkq, (C, R, C, R)), 3), 1)
+    tl.store(DSSDA + (bh * NC + c) * C * C + tc[:, None] * C + tc[None, :], ssda)
+    # The F x F operands (see _chunk_k), then the row sums, the key path and the query path.
+    dkq_m = _fence(dkq * decay, FENCE).to(dt)
+    dqk_t = _fence(tl.where(same, dkq * gamma[:, None], 0.0), FENCE).to(dt)
+    tl.store(DDA_CS_REV + per_step, _group(tl.sum(kh_lo.to(tl.float32) * dks_lo + kh_hi.to(tl.float32) * dks_hi, 1),
+                                           C, R))
+    tl.store(DDA_CS + per_step, _group(tl.sum(qh_lo * dqs_lo + qh_hi * dqs_hi, 1), C, R))
+    dkh_lo = er[:, None] * dks_lo + tl.dot(dkq_m, qh16_lo)
+    dkh_hi = er[:, None] * dks_hi + tl.dot(dkq_m, qh16_hi)
+    tl.store(DFACTOR + per_step, _group(tl.sum(kr_lo * dkh_lo + kr_hi * dkh_hi, 1), C, R))
+    dkr_lo, dkr_hi = dkh_lo * factor[:, None], dkh_hi * factor[:, None]
+    dang = dkr_hi * kr_lo - dkr_lo * kr_hi
+    gk_lo = dkr_lo - tl.dot(dqk_t, -qh16_lo)
+    gk_hi = dkr_hi - tl.dot(dqk_t, -qh16_hi)
+    out = (row[:, None] * H + h) * N + jh[None, :]
+    tl.store(DK + out, (gk_lo * cos + gk_hi * sin).to(dt))
+    tl.store(DK + out + NH, (gk_hi * cos - gk_lo * sin).to(dt))
+    ea = tl.exp(tl.load(DA + bh * S + s))
+    dqh_lo = ea[:, None] * dqs_lo - tl.dot(tl.trans(dkq_m), -kh_lo)
+    dqh_hi = ea[:, None] * dqs_hi - tl.dot(tl.trans(dkq_m), -kh_hi)
+    dang += dqh_hi * qh_lo - dqh_lo * qh_hi
+    dang = tl.sum(tl.reshape(dang, (C, R, NH)), 1)
+    tl.store(DANG + ((b * S + c * C + tc[:, None]) * H + h) * NR + jh[None, :], dang, mask=jh[None, :] < NR)
+    gq_lo = dqh_lo - tl.dot(tl.trans(dqk_t), (-kr_lo).to(dt))
+    gq_hi = dqh_hi - tl.dot(tl.trans(dqk_t), (-kr_hi).to(dt))
+    tl.store(DQ + out, (gq_lo * cos + gq_hi * sin).to(dt))
+    tl.store(DQ + out + NH, (gq_hi * cos - gq_lo * sin).to(dt))
+
+
+@triton.jit
 def _reduce(DPSI_WS, DD_WS, DPSI, DD, H, NC, R: tl.constexpr, P: tl.constexpr, HAS_D: tl.constexpr):
     h, b = tl.program_id(0), tl.program_id(1)
     bh = b * H + h
@@ -590,8 +733,9 @@ def _segments(config: dict, shape: dict) -> int:
 
 def kernels(config: dict, shape: dict) -> list[str]:
     """The kernels a config launches, in launch order (the scan's local pass only with segments)."""
-    local = ["scan_local"] if _segments({**DEFAULTS, **config}, shape) > 1 else []
-    return ["angles"] + local + ["scan", "key", "value", "reduce"]
+    c = {**DEFAULTS, **config}
+    local = ["scan_local"] if _segments(c, shape) > 1 else []
+    return ["angles"] + local + ["scan"] + (["chunk"] if c["fused_chunk"] else ["key", "value"]) + ["reduce"]
 
 
 def _kernel_consts(config: dict, shape: dict, fence: bool = True) -> dict:
@@ -606,17 +750,18 @@ def _kernel_consts(config: dict, shape: dict, fence: bool = True) -> dict:
                     "STAGES": config["chunk_stages"], "FENCE": fence},
             "value": {**k, "BJ": config["VALUE_BJ"], "BP": config["BLOCK_P"], "NBJ": _key_blocks(config, shape), "HAS_D": has_d,
                       "STAGES": config["chunk_stages"], "FENCE": fence},
+            "chunk": {**k, "BP": config["BLOCK_P"], "HAS_D": has_d, "STAGES": config["chunk_stages"], "FENCE": fence},
             "reduce": {"R": shape["R"], "P": shape["P"], "HAS_D": has_d}}
 
 
 def _warps(config: dict) -> dict:
     return {"angles": 4, "scan_local": config["scan_warps"], "scan": config["scan_warps"], "key": config["key_warps"],
-            "value": config["chunk_warps"], "reduce": 4}
+            "value": config["chunk_warps"], "chunk": config["chunk_warps"], "reduce": 4}
 
 
 def _launch_opts(config: dict) -> dict:
     """num_warps, and maxnreg for the chunk kernels, of each kernel's launch (keyword arguments of kernel[grid])."""
-    regs = {"key": config["key_maxnreg"], "value": config["value_maxnreg"]}
+    regs = {"key": config["key_maxnreg"], "value": config["value_maxnreg"], "chunk": config["value_maxnreg"]}
     return {name: {"num_warps": w} | ({"maxnreg": regs[name]} if name in regs else {})
             for name, w in _warps(config).items()}
 
@@ -656,6 +801,15 @@ def build(config: dict, shape: dict):
         if segs > 1:
             _scan[(tiles * (segs - 1), H, B)](*scan_args, **launch["scan_local"], **kc["scan_local"])
         _scan[(tiles * segs, H, B)](*scan_args, **launch["scan"], **kc["scan"])
+        if config["fused_chunk"]:
+            kern = _chunk[(nc, H, B)](
+                i["Q"], i["K"], i["Q_BIAS"], i["K_BIAS"], i["V"], i["MIMO_V"], w["cos"], w["sin"], i["DA_CS"],
+                i["DA_CS_REV"], i["DT"], i["TRAP"], i["QK_DOT"], i["SEGSUM"], i["DOUT"], i["MIMO_O"], z, zeta, dpar,
+                i["STATES"], w["ds"], o["DQ"], o["DK"], o["DANGLES"], o["DV"], o["DFACTOR"], o["DGAMMA_DIAG"],
+                o["DDA"], o["DDA_CS"], o["DDA_CS_REV"], o["DSSDA"], w["dpsi"], w["dd"], S, H, G, nc,
+                **launch["chunk"], **kc["chunk"])
+            _reduce[(H, B)](w["dpsi"], w["dd"], o["DMIMO_V"], dd_out, H, nc, **launch["reduce"], **kc["reduce"])
+            return _common.launch_info(kern)
         _chunk_k[(nc * nbj, H, B)](
             i["Q"], i["K"], i["Q_BIAS"], i["K_BIAS"], i["V"], i["MIMO_V"], w["cos"], w["sin"], i["DA_CS"],
             i["DA_CS_REV"],
@@ -788,12 +942,17 @@ def _signatures(shape: dict) -> dict:
     value = dict(QH=e, KH=e, V=e, PSI=f, DAR=f, DT=f, TRAP=e, QKD=e, SEG=f, DOUT=e, PHI=f, Z=e,
                  ZETA=f, DPARAM=f, DS=e, ROW_WS=f, DDA_WS=f, DV=e, DFACTOR=f, DGAMMA=f, DDA=f, DDA_CS=f,
                  DDA_CS_REV=f, DSSDA=f, DPSI_WS=f, **dims)
+    chunk = dict(Q=e, K=e, QB=f, KB=f, V=e, PSI=f, COS=f, SIN=f, DA=f, DAR=f, DT=f, TRAP=e, QKD=e, SEG=f, DOUT=e,
+                 PHI=f, Z=e, ZETA=f, DPARAM=f, STATES="*bf16", DS=e, DQ=e, DK=e, DANG=f, DV=e, DFACTOR=f, DGAMMA=f,
+                 DDA=f, DDA_CS=f, DDA_CS_REV=f, DSSDA=f, DPSI_WS=f, DD_WS=f, **dims)
     reduce = dict(DPSI_WS=f, DD_WS=f, DPSI=f, DD=f, H="i32", NC="i32")
     angles = dict(ANG=f, COS=f, SIN=f, n="i32")
-    return {"angles": angles, "scan_local": scan, "scan": scan, "key": key, "value": value, "reduce": reduce}
+    return {"angles": angles, "scan_local": scan, "scan": scan, "key": key, "value": value, "chunk": chunk,
+            "reduce": reduce}
 
 
-_FNS = {"angles": _angles, "scan_local": _scan, "scan": _scan, "key": _chunk_k, "value": _chunk_v, "reduce": _reduce}
+_FNS = {"angles": _angles, "scan_local": _scan, "scan": _scan, "key": _chunk_k, "value": _chunk_v, "chunk": _chunk,
+        "reduce": _reduce}
 
 
 def compile_kernel(name: str, config: dict, shape: dict, target: str) -> dict:
