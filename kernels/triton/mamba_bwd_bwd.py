@@ -762,7 +762,7 @@ def _warps(config: dict) -> dict:
 def _launch_opts(config: dict) -> dict:
     """num_warps, and maxnreg for the chunk kernels, of each kernel's launch (keyword arguments of kernel[grid])."""
     regs = {"key": config["key_maxnreg"], "value": config["value_maxnreg"], "chunk": config["value_maxnreg"]}
-    return {name: {"num_warps": w} | ({"maxnreg": regs[name]} if name in regs else {})
+    return {name: {"num_warps": w} | ({"maxnreg": regs[name]} if regs.get(name) else {})
             for name, w in _warps(config).items()}
 
 
