@@ -117,6 +117,9 @@ def config_reason(config: dict, shape: dict) -> str | None:
         v = c[key]
         if not (isinstance(v, int) and _pow2(v) and 16 <= v <= dim):
             return f"{key}={v} must be a power of two in [16, {name}={dim}]"
+    if c["fused_chunk"] and nh > 32:
+        return (f"fused_chunk at N={N}: the fused kernel takes N/2 <= 32 (at N = 128 it made an illegal memory access "
+                f"on sm_90a, Triton 3.6, where the interpreter computes right: results/logs/20261128T024000Z-call-log.txt)")
     # The values each knob may take are the sweep file's (sweeps/mamba_bwd_bwd/triton.toml); the harness checks them.
     return None
 
@@ -895,6 +898,12 @@ def smem_kernels(config: dict, shape: dict, target: str) -> dict:
 
     # The scan's local pass (with segments) stages the same tiles without the dS store: at most the scan's.
     local = {"scan_local": scan} if "scan_local" in kernels(config, shape) else {}
+    if c["fused_chunk"]:
+        # Fused kernel, a bound (smem_inexact): q_hat and k_hat's operands, e F N for each, and four
+        # [F, BLOCK_P] tiles (PsiV's and dy's operands in the P loop). At C*R = 64 it is the compiler's figure
+        # with BLOCK_P = 32 on sm_90a and above it otherwise (sm_121a: mma.sync stages less).
+        chunk = 2 * e * F * shape["N"] + 4 * e * F * c["BLOCK_P"]
+        return {"angles": 0, "scan": scan, **local, "chunk": chunk, "reduce": 0}
     # angles, reduce: registers only
     return {"angles": 0, "scan": scan, **local, "key": key, "value": value, "reduce": 0}
 
@@ -912,11 +921,13 @@ def smem_inexact(config: dict, shape: dict, target: str) -> set:
         out.add("key")            # C*R outside 32 and 64: not probed; or one P step: its layouts change
     if not _value_modelled(config, shape):
         out.add("value")          # likewise: the bound stands
-    return out
+    if c["fused_chunk"]:
+        out.add("chunk")          # a bound (smem_kernels)
+    return out & set(kernels(config, shape))
 
 
 def smem_estimate(config: dict, shape: dict, target: str) -> int:
-    """Shared memory per CTA, bytes: the largest of the four kernels' (compile_for's smem_bytes), from
+    """Shared memory per CTA, bytes: the largest of the kernels' (compile_for's smem_bytes), from
     what each stages in shared memory under Triton 3.6 for an ahead-of-time compile: cp.async buffers
     of its pipelined fp32 loads, GEMM operands (mma.sync converts them through shared memory one at a
     time; sm_90a's warpgroup MMA, taken for products of 64 or 128 rows, reads B from shared memory,
@@ -928,7 +939,9 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
     C*R = 32 and 64 with more than one P step (every named shape). The scan's is a
     bound where its dS / dy layout conversion outweighs the q_hat^T operand (at the named shapes:
     SCAN_BP = 128, or R = 1, or unreduced DOUT); that bound gives the largest figure only at
-    grid_n128_p128_r4_c8 with SCAN_BP = 128. Not modelled: C*R >= 256 (over every device's limit)."""
+    grid_n128_p128_r4_c8 with SCAN_BP = 128. The fused chunk kernel's figure is a bound (checked at
+    the named shapes it takes, where it is the largest), so that a fused config's preflight is an upper
+    bound too. Not modelled: C*R >= 256 (over every device's limit)."""
     return max(smem_kernels(config, shape, target).values())
 
 
