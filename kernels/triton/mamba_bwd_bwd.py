@@ -1,6 +1,6 @@
 """Triton lane for mamba_bwd_bwd (the Mamba-3 MIMO backward kernel "bwd_bwd").
 
-Five kernels, six with scan segments (the model and the output definitions are in
+Five kernels, six with scan segments, four with the fused chunk kernel (the model and the output definitions are in
 lab/problems/_mamba3.py). F = C*R: the fused rows t*R + r of a chunk (step t, rank r).
 
 0. ``_angles``: cos and sin of every angle (fp32, [B, S, H, N/rd] each), read by (1) and (2), which so
@@ -40,6 +40,13 @@ lab/problems/_mamba3.py). F = C*R: the fused rows t*R + r of a chunk (step t, ra
    key side's row-sum workspace (DDA_CS_REV, DFACTOR, DDA_CS).
 4. ``_reduce``: grid (H, B): DMIMO_V and DD summed over chunks (deterministic, no atomics).
 
+With fused_chunk, one kernel takes the place of (2) and (3): ``_chunk``, grid (nc, H, B), both sides of a
+chunk on all of N (N/2 <= 32). It builds k_hat, q_hat and the dPsiV operand first; one P loop then reads
+PsiV, dy, dS and STATES once for the key side's products and the value side's; after it every per-chunk
+output. Neither side's product is repeated, and no q_hat / k_hat or row-sum workspace crosses global
+memory. The price: registers (the compiler's own count, 255 at 8 warps: one CTA an SM, and local memory:
+ptxas, sm_90a, training, 824 B of spills with BLOCK_P = 64).
+
 Every F x N operand is held as its two rotary halves, so rotary, its transpose and the angle gradient
 are elementwise between the halves. GEMM operands are in the input dtype (bf16 / fp16) with fp32
 accumulation, as upstream; the elementwise math and every partial are fp32.
@@ -74,7 +81,9 @@ Tunables:
   chunk_stages          num_stages of both chunk kernels' P loops
   key_maxnreg, value_maxnreg   registers per thread each chunk kernel may use. At 8 warps, 128 lets two
                         CTAs share an SM (65,536 registers) where the compiler's own choice (150-210)
-                        leaves one; 80, three
+                        leaves one; 80, three; 0, the compiler's own count (fused kernel only)
+  fused_chunk           ``_chunk`` instead of (2) and (3); it takes BLOCK_P, chunk_warps, chunk_stages and
+                        value_maxnreg
 """
 from __future__ import annotations
 
