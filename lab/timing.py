@@ -3,7 +3,8 @@
 All times are milliseconds. On a CUDA device each sample is bracketed by its own CUDA event pair
 after a write of a buffer twice the device's L2 size (read from the device); on the CPU the host
 clock is used (tests, and the torch lane on CPU). A GPU spin before each sample gives the host a
-head start, so launch overhead does not leak into the events. Sampling stops when the 95% confidence interval
+head start (twice the call's host time, measured in the warm-up), so launch overhead does not leak into
+the events. Sampling stops when the 95% confidence interval
 of the median (order statistics) is narrower than ``rel_ci`` of the median, or at the budget.
 Calls under ~20 us are also timed as CUDA-graph replays, with the flush's own cost subtracted.
 """
@@ -17,7 +18,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-HEADSTART_CYCLES = 400_000  # ~200 us at 2 GHz: more than a Python launch of any lane takes
+HEADSTART_CYCLES = 400_000  # ~200 us at 2 GHz: the least head start a sample gets
+MAX_HEADSTART_CYCLES = 40_000_000  # ~20 ms: the most (a host-bound reference's launches may take longer)
+CYCLES_PER_MS = 2_000_000  # SM cycles a millisecond at ~2 GHz (at lower clocks the spin only lasts longer)
+
+
+def headstart_cycles(host_ms: float) -> int:
+    """GPU spin cycles before a sample of a call whose host side (launches) takes ``host_ms``: twice that,
+    within [HEADSTART_CYCLES, MAX_HEADSTART_CYCLES]. A fixed spin was too short beside a host-bound lane:
+    in an A/B confirm with the torch reference (~10 ms of Python launches a call at gb10's shape), whose
+    samples leave the GPU queue empty, the Triton bwd_bwd lane's median was 0.137 ms against its own
+    0.080 ms minimum (its 5 launches exposed), run 20261128T020607Z-mamba_bwd_bwd-h100-997."""
+    return int(min(MAX_HEADSTART_CYCLES, max(HEADSTART_CYCLES, math.ceil(2 * host_ms * CYCLES_PER_MS))))
 
 
 @dataclass
@@ -83,12 +95,12 @@ class _Clock:
     def __init__(self, device: str):
         self.cuda = device.startswith("cuda")
 
-    def sample(self, flush, fn) -> object:
+    def sample(self, flush, fn, headstart: int = HEADSTART_CYCLES) -> object:
         if self.cuda:
-            # Keep the GPU busy (a spin of ~HEADSTART_CYCLES) while the host enqueues flush and call, so
-            # the host's launch cost (Python argument handling, descriptor set-up) never shows as an
+            # Keep the GPU busy (a spin of ``headstart`` cycles) while the host enqueues flush and call,
+            # so the host's launch cost (Python argument handling, descriptor set-up) never shows as an
             # idle gap inside the event interval: the events then bracket GPU execution only.
-            torch.cuda._sleep(HEADSTART_CYCLES)
+            torch.cuda._sleep(headstart)
             flush()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -139,14 +151,20 @@ def bench_interleaved(fns: list, device: str = "cuda", l2_bytes: int = 0, warmup
     has ``min_time_ms`` of samples, or at the budget."""
     clock = _Clock(device)
     flush = _flusher(device, l2_bytes)
-    # Time-based warm-up: compilation, module load and clocks ramping stay out of the samples.
-    for fn in fns:
+    # Time-based warm-up: compilation, module load and clocks ramping stay out of the samples. Its
+    # fastest call's host time (launches only, once compiled) sizes each call's head start.
+    host_ms = [math.inf] * len(fns)
+    for i, fn in enumerate(fns):
         t_end = time.perf_counter() + warmup_ms / 1e3
-        fn()
-        while time.perf_counter() < t_end:
+        while True:
+            t0 = time.perf_counter()
             fn()
+            host_ms[i] = min(host_ms[i], (time.perf_counter() - t0) * 1e3)
+            if time.perf_counter() >= t_end:
+                break
     if clock.cuda:
         torch.cuda.synchronize()
+    heads = [headstart_cycles(h) for h in host_ms]
 
     samples: list[list[float]] = [[] for _ in fns]
     deadline = time.perf_counter() + budget_ms / 1e3
@@ -157,7 +175,7 @@ def bench_interleaved(fns: list, device: str = "cuda", l2_bytes: int = 0, warmup
             order = range(len(fns)) if rounds % 2 == 0 else range(len(fns) - 1, -1, -1)
             rounds += 1
             for i in order:
-                pending[i].append(clock.sample(flush, fns[i]))
+                pending[i].append(clock.sample(flush, fns[i], heads[i]))
         for i in range(len(fns)):
             samples[i] += clock.resolve(pending[i])
         if len(samples[0]) >= min_samples and all(sum(s) >= min_time_ms for s in samples):

@@ -130,6 +130,26 @@ def test_interleaved_timing_alternates_the_order_of_each_round():
     assert len(out[0].samples_ms) == len(out[1].samples_ms) >= 6
 
 
+def test_each_call_gets_a_head_start_sized_by_its_host_time(monkeypatch):
+    """The GPU spin before a sample covers twice the call's host (launch) time from the warm-up, within
+    its bounds: a host-bound call (a Python reference) gets a longer one than a few launches do."""
+    from lab import timing
+    seen = {}
+
+    class Recorder(timing._Clock):
+        def sample(self, flush, fn, headstart=timing.HEADSTART_CYCLES):
+            seen.setdefault(fn, set()).add(headstart)
+            return super().sample(flush, fn, headstart)
+
+    monkeypatch.setattr(timing, "_Clock", Recorder)
+    fast, slow = (lambda: None), (lambda: time.sleep(0.004))
+    timing.bench_interleaved([fast, slow], device="cpu", warmup_ms=20, min_samples=4, max_samples=4, min_time_ms=0)
+    assert seen[fast] == {timing.HEADSTART_CYCLES}
+    (cycles,) = seen[slow]
+    assert 2 * 4 * timing.CYCLES_PER_MS <= cycles <= 2 * 12 * timing.CYCLES_PER_MS
+    assert timing.headstart_cycles(1e6) == timing.MAX_HEADSTART_CYCLES
+
+
 def test_registry_typed_eligibility(lab_env):
     from lab import registry
     table = registry.eligibility_table("gemm", "sm_75")
