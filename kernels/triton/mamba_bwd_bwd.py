@@ -910,7 +910,7 @@ def smem_kernels(config: dict, shape: dict, target: str) -> dict:
     if c["fused_chunk"]:
         # Fused kernel, a bound (smem_inexact): q_hat and k_hat's operands, e F N for each, and four
         # [F, BLOCK_P] tiles (PsiV's and dy's operands, in their layouts, in the P loop). At C*R = 64 it is
-        # the compiler's figure on sm_90a with BLOCK_P = 32, at most 12% above it with 64; about twice it
+        # the compiler's figure on sm_90a with BLOCK_P = 32, 11-19% above it with 64; about twice it
         # on sm_121a (mma.sync stages less). BLOCK_P = 128 (94,208 B on sm_90a at training) is beyond it.
         chunk = 2 * e * F * shape["N"] + 4 * e * F * c["BLOCK_P"]
         return {"angles": 0, "scan": scan, **local, "chunk": chunk, "reduce": 0}
