@@ -1,7 +1,7 @@
 """Triton lane for mamba_bwd_bwd (the Mamba-3 MIMO backward kernel "bwd_bwd").
 
-Five kernels, six with scan segments, four with the fused chunk kernel (the model and the output definitions are in
-lab/problems/_mamba3.py). F = C*R: the fused rows t*R + r of a chunk (step t, rank r).
+Five kernels, six with scan segments, four with the fused chunk kernel (the model and the output
+definitions are in lab/problems/_mamba3.py). F = C*R: the fused rows t*R + r of a chunk (step t, rank r).
 
 0. ``_angles``: cos and sin of every angle (fp32, [B, S, H, N/rd] each), read by (1) and (2), which so
    take no transcendental range reduction (libdevice's sinf / cosf keep a 28-byte local array for it)
