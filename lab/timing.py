@@ -26,9 +26,12 @@ CYCLES_PER_MS = 2_000_000  # SM cycles a millisecond at ~2 GHz (at lower clocks 
 def headstart_cycles(host_ms: float) -> int:
     """GPU spin cycles before a sample of a call whose host side (launches) takes ``host_ms``: twice that,
     within [HEADSTART_CYCLES, MAX_HEADSTART_CYCLES]. A fixed spin was too short beside a host-bound lane:
-    in an A/B confirm with the torch reference (~10 ms of Python launches a call at gb10's shape), whose
+    in an A/B confirm with the torch reference (~6-10 ms of Python launches a call at gb10's shape), whose
     samples leave the GPU queue empty, the Triton bwd_bwd lane's median was 0.137 ms against its own
-    0.080 ms minimum (its 5 launches exposed), run 20261128T020607Z-mamba_bwd_bwd-h100-997."""
+    0.080 ms minimum (its launches exposed; run 20261128T020607Z-mamba_bwd_bwd-h100-997). With a 2M-cycle
+    spin for every call that noise went (IQR 0.021 -> 0.0009 ms) while the reference, whose launches
+    outlast 1 ms, stayed noisy (results/logs/20261127T123200Z-call-confirm-noise-probe.txt). Sized per
+    call, the reference's own spin covers its launches, so the queue stays ahead of both."""
     return int(min(MAX_HEADSTART_CYCLES, max(HEADSTART_CYCLES, math.ceil(2 * host_ms * CYCLES_PER_MS))))
 
 
