@@ -79,18 +79,6 @@ def test_segmented_scan_compiles(target, compiled):
     assert got["smem_bytes"] == lane.SMEM["gb10"][target] and got["registers"] <= 255, got
 
 
-@pytest.mark.parametrize("target", ["sm_121a", pytest.param("sm_90a", marks=pytest.mark.slow)])
-def test_fused_chunk_compiles(target, compiled):
-    """The fused chunk kernel (FUSED_CHUNK: scan, chunk, reduce) at the GB10 shape, within the target's
-    shared memory (on sm_121a the scan stays the largest of the three)."""
-    shape = _shape("gb10")
-    config = {**lane.seed_for(shape), "FUSED_CHUNK": True}
-    got = compiled(lane, config, shape, target)
-    assert set(got["kernels"]) == set(lane.FUSED_KERNELS)
-    assert 0 < got["kernels"]["chunk"]["smem_bytes"] <= got["smem_bytes"] <= _LIMIT[target], got
-    assert got["registers"] and got["registers"] <= 255, got
-
-
 def test_every_named_shape_has_a_config_and_a_figure():
     for name in NAMED:
         shape = _shape(name)
@@ -162,13 +150,6 @@ BODY_CASES = [
     pytest.param(_small(), {**SMALL, "SCAN_SEGMENTS": 4}, id="r4-3-segments"),
     pytest.param(_small(B=1, S=8, H=2, G=2, N=32, P=16, R=8, C=2, rd=4, hasZ=True, hasD=True, reduceO=False),
                  {**SMALL, "SCAN_SEGMENTS": 2}, id="r8-4-chunks-2-segments"),
-    # The fused chunk kernel: all of N in one program (rd = 4 masks half of each rotary tile), P in two blocks;
-    # R = 1 with options off and GQA; fp16 with unreduced DOUT.
-    pytest.param(_small(), {**SMALL, "FUSED_CHUNK": True}, id="fused-r4-all-options"),
-    pytest.param(_small(B=1, S=48, H=4, G=2, N=32, P=32, R=1, C=16, rd=2, hasZ=False, hasD=False, reduceO=False,
-                        dtype="float16"), {**SMALL, "FUSED_CHUNK": True}, id="fused-r1-gqa-no-options-fp16"),
-    pytest.param(_small(B=1, S=16, H=4, G=2, R=4, rd=2, hasZ=True, hasD=False, reduceO=False),
-                 {**SMALL, "FUSED_CHUNK": True, "BLOCK_P": 32}, id="fused-r4-gqa-z-rd2-one-p-block"),
 ]
 
 
@@ -185,8 +166,7 @@ def test_kernel_bodies_match_reference(shape, config, monkeypatch):
     outputs = PROBLEM.alloc_outputs(shape, "cpu")
     info = ns["build"](config, shape)(inputs, outputs)
     local = ["_scan"] if lane._segments(config, shape) > 1 else []       # the scan's local pass
-    chunk = ["_chunk"] if config["FUSED_CHUNK"] else ["_chunk_k", "_chunk_v"]
-    assert launches == local + ["_scan", *chunk, "_reduce"] and info["launches"] == len(launches)
+    assert launches == local + ["_scan", "_chunk_k", "_chunk_v", "_reduce"] and info["launches"] == len(launches)
     ref = PROBLEM.reference(inputs, shape)
     assert set(outputs) == set(ref)
     ok, errors = parity.compare(outputs, ref, PROBLEM.tolerance(shape), PROBLEM.output_tolerances(shape))

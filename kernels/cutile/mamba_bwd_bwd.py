@@ -22,10 +22,6 @@ written with cuTile tile operations. Four kernels, launched in this order on the
    in BLOCK_P columns: dPsiV (DV, per-chunk DMIMO_V and DD partials), PsiV dy^T; then DSSDA,
    DGAMMA_DIAG and the sums of the key side's partials (DDA, DDA_CS, DDA_CS_REV, DFACTOR).
 4. ``_reduce``, grid (H, B): DMIMO_V and DD summed over the chunks (deterministic, no atomics).
-With FUSED_CHUNK, 2 and 3 are one kernel, ``_chunk``, grid (nc, H, B), on all of N: before its P loop
-k_hat, q_hat and the dPsiV operands (k_hat q_hat^T masked by the decay, the same-step block); the loop
-(BLOCK_P columns a step) reads PsiV, dy, dS and STATES once for both sides' products; after it the key
-side's tail on q and k read again, and every per-chunk output written directly.
 
 What crosses global memory between them (the lane allocates it once per device):
   dS            [B, H, nc, N, P] input dtype   scan -> both chunk kernels (the GEMM operand)
@@ -34,7 +30,6 @@ What crosses global memory between them (the lane allocates it once per device):
   DDA partials  [B, H, nc, N/2/KEY_BJ] fp32         key side -> value side
   q_hat, k_hat  [B, H, nc, C*R, N] input dtype each  key side -> value side (512 MiB in all at the training shape)
   DMIMO_V, DD   [B, H, nc, R, P], [B, H, nc] fp32   value side -> reduce
-With FUSED_CHUNK only dS and the DMIMO_V / DD partials cross: three kernels.
 cuTile keeps no state on chip across kernels, so these are the temporaries a one-kernel TileLang
 design keeps in shared memory; the dS scan is the only part that needs the chunk order.
 
@@ -51,7 +46,6 @@ partial are fp32.
 Tunables (sweeps/mamba_bwd_bwd/cutile.toml):
   SCAN_BJ, SCAN_BP     dS tile of one scan program: SCAN_BJ rotary pairs x SCAN_BP columns
   SCAN_SEGMENTS        chunk ranges the scan walks at once (above; the largest divisor of nc up to it)
-  FUSED_CHUNK          one chunk kernel for both sides (above) instead of the key and value kernels
   KEY_BJ, KEY_BP       rotary pairs per key-side program; P columns per step of its P loop
   VALUE_BJ, BLOCK_P    pairs per step of the value side's N loops; P columns per step of its P loop
   occupancy            CTAs per SM tileiras compiles every kernel for (0: its choice)
@@ -77,14 +71,13 @@ from lab.problems import _mamba3 as m3
 
 DSL = "cutile"
 KERNEL = "mamba_bwd_bwd"
-TUNABLES = ("SCAN_BJ", "SCAN_BP", "SCAN_SEGMENTS", "FUSED_CHUNK", "KEY_BJ", "KEY_BP", "VALUE_BJ", "BLOCK_P",
-            "occupancy", "num_worker_warps")
-DEFAULTS = {"SCAN_BJ": 16, "SCAN_BP": 32, "SCAN_SEGMENTS": 1, "FUSED_CHUNK": False, "KEY_BJ": 16, "KEY_BP": 32,
-            "VALUE_BJ": 16, "BLOCK_P": 32, "occupancy": 0, "num_worker_warps": 0}
+TUNABLES = ("SCAN_BJ", "SCAN_BP", "SCAN_SEGMENTS", "KEY_BJ", "KEY_BP", "VALUE_BJ", "BLOCK_P", "occupancy",
+            "num_worker_warps")
+DEFAULTS = {"SCAN_BJ": 16, "SCAN_BP": 32, "SCAN_SEGMENTS": 1, "KEY_BJ": 16, "KEY_BP": 32, "VALUE_BJ": 16,
+            "BLOCK_P": 32, "occupancy": 0, "num_worker_warps": 0}
 TARGETS = tuple(f"sm_{a}a" if a >= 90 else f"sm_{a}" for a in ARCHS)
 DTYPES = ("bfloat16", "float16")
 KERNELS = ("scan", "key", "value", "reduce")
-FUSED_KERNELS = ("scan", "chunk", "reduce")
 
 
 def _segments(config: dict, shape: dict) -> int:
@@ -95,8 +88,7 @@ def _segments(config: dict, shape: dict) -> int:
 
 def _kernel_names(config: dict, shape: dict) -> tuple:
     """The kernels a config launches, in order: the local scan pass only with segments."""
-    return (("scan_local",) if _segments(config, shape) > 1 else ()) + \
-        (FUSED_KERNELS if config["FUSED_CHUNK"] else KERNELS)
+    return (("scan_local",) if _segments(config, shape) > 1 else ()) + KERNELS
 
 K_ = ct.Constant[int]
 B_ = ct.Constant[bool]
@@ -260,72 +252,6 @@ def _scan(Q, QB, ANG, DA, DOUT, PHI, Z, ZETA, DS, CARRY, DECAY,
         ct.store(DECAY, (b, h, seg), ct.reshape(decay, (1, 1, 1)))   # the same value from every tile
 
 
-def _pairs(Q, K, QB, KB, ANG, b, c, g, h, jb, NHB, C, R, BJ, NR):
-    """Biased q, k of chunk c on the pair block jb (both rotary halves), and the pairs' cos, sin: [F, BJ]."""
-    q_lo = _half(Q, QB, b, c, g, h, jb, C, R, BJ)
-    q_hi = _half(Q, QB, b, c, g, h, NHB + jb, C, R, BJ)
-    k_lo = _half(K, KB, b, c, g, h, jb, C, R, BJ)
-    k_hi = _half(K, KB, b, c, g, h, NHB + jb, C, R, BJ)
-    cos, sin = _angles(ANG, b, c, h, jb, C, R, BJ, NR)
-    return q_lo, q_hi, k_lo, k_hi, cos, sin
-
-
-def _same_step(QKD, gamma, b, h, c, C, R, dt):
-    """Same-step q.k products (biased, before rotary) as a block-diagonal [F, F] fp32, [(t, o), (t, i)],
-    and (diag * gamma)^T in the input dtype (the dPsiV operand)."""
-    F = C * R
-    qkd = ct.reshape(ct.load(QKD, (b, h, c, 0, 0), (1, 1, C, R, R)), (C, R, 1, R)).astype(ct.float32)
-    tc = ct.arange(C, dtype=ct.int32)
-    eye = ct.reshape(tc, (C, 1, 1, 1)) == ct.reshape(tc, (1, 1, C, 1))
-    diag = ct.reshape(ct.where(ct.broadcast_to(eye, (C, R, C, R)), ct.broadcast_to(qkd, (C, R, C, R)), 0.0),
-                      (F, F))
-    return diag, ct.transpose(diag * gamma).astype(dt)
-
-
-def _key_tail(q_lo, q_hi, k_lo, k_hi, cos, sin, DA, SEG, DQ, DK, DANG, dkq, dks_lo, dks_hi, dqs_lo, dqs_hi, gamma, factor, er,
-              b, c, h, jb, NHB, C, R, BJ, NR):
-    """The key / query side after its P loop, on the pair block jb: DQ, DK and DANGLES stored; returns the
-    block's parts of the row sums (DDA_CS_REV, DFACTOR, DDA_CS: [C] each) and its q_hat, k_hat (input dtype)."""
-    F = C * R
-    dt = DQ.dtype
-    dqk = ct.where(_same(C, R), ct.transpose(dkq) * gamma, 0.0).astype(dt)   # same-step dL/d(q_{t,o}.k_{t,i})
-    dkq_m = (dkq * _decay(SEG, b, h, c, C, R)).astype(dt)
-    qh_lo, qh_hi = _rot(q_lo, q_hi, cos, sin)
-    kr_lo, kr_hi = _rot(k_lo, k_hi, cos, sin)
-    kh_lo = (kr_lo * factor).astype(dt)
-    kh_hi = (kr_hi * factor).astype(dt)
-    rev = _group(ct.sum(kh_lo.astype(ct.float32) * dks_lo + kh_hi.astype(ct.float32) * dks_hi, axis=1), C, R)
-    dkh_lo = ct.mma(dkq_m, qh_lo.astype(dt), er * dks_lo)
-    dkh_hi = ct.mma(dkq_m, qh_hi.astype(dt), er * dks_hi)
-    fac = _group(ct.sum(kr_lo * dkh_lo + kr_hi * dkh_hi, axis=1), C, R)
-    dkr_lo = dkh_lo * factor
-    dkr_hi = dkh_hi * factor
-    cs = _group(ct.sum(qh_lo * dqs_lo + qh_hi * dqs_hi, axis=1), C, R)
-    ea = _rows(ct.exp(_steps(DA, b, h, c, C)), C, R)
-    dkq_mt = ct.transpose(dkq_m)
-    dqh_lo = ct.mma(dkq_mt, kh_lo, ea * dqs_lo)
-    dqh_hi = ct.mma(dkq_mt, kh_hi, ea * dqs_hi)
-
-    # Angle gradient of the pairs (k and q paths, summed over the ranks); a block wholly past NR has none.
-    dang = dkr_lo * (-k_lo * sin - k_hi * cos) + dkr_hi * (k_lo * cos - k_hi * sin) + \
-        dqh_lo * (-q_lo * sin - q_hi * cos) + dqh_hi * (q_lo * cos - q_hi * sin)
-    dang = ct.sum(ct.reshape(dang, (C, R, BJ)), axis=1)
-    if jb * BJ < NR:
-        ct.store(DANG, (b, c, h, jb), ct.reshape(dang, (1, C, 1, BJ)))
-
-    # DK, DQ: the rotary transpose plus the same-step products with the unrotated biased q, k.
-    dqk_t = ct.transpose(dqk)
-    dk_lo = ct.mma(dqk_t, q_lo.astype(dt), dkr_lo * cos + dkr_hi * sin)
-    dk_hi = ct.mma(dqk_t, q_hi.astype(dt), dkr_hi * cos - dkr_lo * sin)
-    dq_lo = ct.mma(dqk, k_lo.astype(dt), dqh_lo * cos + dqh_hi * sin)
-    dq_hi = ct.mma(dqk, k_hi.astype(dt), dqh_hi * cos - dqh_lo * sin)
-    ct.store(DK, (b, c, h, jb), ct.reshape(dk_lo, (1, F, 1, BJ)).astype(DK.dtype))
-    ct.store(DK, (b, c, h, NHB + jb), ct.reshape(dk_hi, (1, F, 1, BJ)).astype(DK.dtype))
-    ct.store(DQ, (b, c, h, jb), ct.reshape(dq_lo, (1, F, 1, BJ)).astype(DQ.dtype))
-    ct.store(DQ, (b, c, h, NHB + jb), ct.reshape(dq_hi, (1, F, 1, BJ)).astype(DQ.dtype))
-    return rev, fac, cs, qh_lo.astype(dt), qh_hi.astype(dt), kh_lo, kh_hi
-
-
 def _chunk_k(Q, K, QB, KB, V, PSI, ANG, DA, DAR, DT, TRAP, SEG, DOUT, PHI, Z, ZETA, STATES, DS,
              DQ, DK, DANG, ROW_WS, DDA_WS, QH, KH,
              HG: K_, N: K_, P: K_, R: K_, C: K_, NR: K_, BJ: K_, BP: K_, HAS_Z: B_, REDUCE_O: B_):
@@ -364,18 +290,55 @@ def _chunk_k(Q, K, QB, KB, V, PSI, ANG, DA, DAR, DT, TRAP, SEG, DOUT, PHI, Z, ZE
     ct.store(DDA_WS, (b, h, c, jb), ct.reshape(a_last * ct.sum(dda), (1, 1, 1, 1)))
 
     gamma, factor, er = _gates(DT, TRAP, DAR, b, h, c, C, R)
-    q_lo, q_hi, k_lo, k_hi, cos, sin = _pairs(Q, K, QB, KB, ANG, b, c, g, h, jb, NHB, C, R, BJ, NR)
-    rev, fac, cs, qh_lo, qh_hi, kh_lo, kh_hi = _key_tail(q_lo, q_hi, k_lo, k_hi, cos, sin, DA, SEG, DQ, DK, DANG, dkq,
-                                                        dks_lo, dks_hi, dqs_lo, dqs_hi, gamma, factor, er,
-                                                        b, c, h, jb, NHB, C, R, BJ, NR)
-    ct.store(QH, (b, h, c, 0, jb), ct.reshape(qh_lo, (1, 1, 1, F, BJ)))
-    ct.store(QH, (b, h, c, 0, NHB + jb), ct.reshape(qh_hi, (1, 1, 1, F, BJ)))
+    dqk = ct.where(_same(C, R), ct.transpose(dkq) * gamma, 0.0).astype(dt)   # same-step dL/d(q_{t,o}.k_{t,i})
+    dkq_m = (dkq * _decay(SEG, b, h, c, C, R)).astype(dt)
+    q_lo = _half(Q, QB, b, c, g, h, jb, C, R, BJ)
+    q_hi = _half(Q, QB, b, c, g, h, NHB + jb, C, R, BJ)
+    k_lo = _half(K, KB, b, c, g, h, jb, C, R, BJ)
+    k_hi = _half(K, KB, b, c, g, h, NHB + jb, C, R, BJ)
+    cos, sin = _angles(ANG, b, c, h, jb, C, R, BJ, NR)
+    qh_lo, qh_hi = _rot(q_lo, q_hi, cos, sin)
+    kr_lo, kr_hi = _rot(k_lo, k_hi, cos, sin)
+    kh_lo = (kr_lo * factor).astype(dt)
+    kh_hi = (kr_hi * factor).astype(dt)
+    ct.store(QH, (b, h, c, 0, jb), ct.reshape(qh_lo.astype(dt), (1, 1, 1, F, BJ)))
+    ct.store(QH, (b, h, c, 0, NHB + jb), ct.reshape(qh_hi.astype(dt), (1, 1, 1, F, BJ)))
     ct.store(KH, (b, h, c, 0, jb), ct.reshape(kh_lo, (1, 1, 1, F, BJ)))
     ct.store(KH, (b, h, c, 0, NHB + jb), ct.reshape(kh_hi, (1, 1, 1, F, BJ)))
+
     # Row sums over this program's pairs, [3, C] per (chunk, pair block): DDA_CS_REV, DFACTOR, DDA_CS.
+    rev = _group(ct.sum(kh_lo.astype(ct.float32) * dks_lo + kh_hi.astype(ct.float32) * dks_hi, axis=1), C, R)
     ct.store(ROW_WS, (b, h, c, jb, 0, 0), ct.reshape(rev, (1, 1, 1, 1, 1, C)))
+    dkh_lo = ct.mma(dkq_m, qh_lo.astype(dt), er * dks_lo)
+    dkh_hi = ct.mma(dkq_m, qh_hi.astype(dt), er * dks_hi)
+    fac = _group(ct.sum(kr_lo * dkh_lo + kr_hi * dkh_hi, axis=1), C, R)
     ct.store(ROW_WS, (b, h, c, jb, 1, 0), ct.reshape(fac, (1, 1, 1, 1, 1, C)))
+    dkr_lo = dkh_lo * factor
+    dkr_hi = dkh_hi * factor
+    cs = _group(ct.sum(qh_lo * dqs_lo + qh_hi * dqs_hi, axis=1), C, R)
     ct.store(ROW_WS, (b, h, c, jb, 2, 0), ct.reshape(cs, (1, 1, 1, 1, 1, C)))
+    ea = _rows(ct.exp(_steps(DA, b, h, c, C)), C, R)
+    dkq_mt = ct.transpose(dkq_m)
+    dqh_lo = ct.mma(dkq_mt, kh_lo, ea * dqs_lo)
+    dqh_hi = ct.mma(dkq_mt, kh_hi, ea * dqs_hi)
+
+    # Angle gradient of the pairs (k and q paths, summed over the ranks); a block wholly past NR has none.
+    dang = dkr_lo * (-k_lo * sin - k_hi * cos) + dkr_hi * (k_lo * cos - k_hi * sin) + \
+        dqh_lo * (-q_lo * sin - q_hi * cos) + dqh_hi * (q_lo * cos - q_hi * sin)
+    dang = ct.sum(ct.reshape(dang, (C, R, BJ)), axis=1)
+    if jb * BJ < NR:
+        ct.store(DANG, (b, c, h, jb), ct.reshape(dang, (1, C, 1, BJ)))
+
+    # DK, DQ: the rotary transpose plus the same-step products with the unrotated biased q, k.
+    dqk_t = ct.transpose(dqk)
+    dk_lo = ct.mma(dqk_t, q_lo.astype(dt), dkr_lo * cos + dkr_hi * sin)
+    dk_hi = ct.mma(dqk_t, q_hi.astype(dt), dkr_hi * cos - dkr_lo * sin)
+    dq_lo = ct.mma(dqk, k_lo.astype(dt), dqh_lo * cos + dqh_hi * sin)
+    dq_hi = ct.mma(dqk, k_hi.astype(dt), dqh_hi * cos - dqh_lo * sin)
+    ct.store(DK, (b, c, h, jb), ct.reshape(dk_lo, (1, F, 1, BJ)).astype(DK.dtype))
+    ct.store(DK, (b, c, h, NHB + jb), ct.reshape(dk_hi, (1, F, 1, BJ)).astype(DK.dtype))
+    ct.store(DQ, (b, c, h, jb), ct.reshape(dq_lo, (1, F, 1, BJ)).astype(DQ.dtype))
+    ct.store(DQ, (b, c, h, NHB + jb), ct.reshape(dq_hi, (1, F, 1, BJ)).astype(DQ.dtype))
 
 
 def _chunk_v(QH, KH, V, PSI, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, ZETA, DPARAM, DS,
@@ -390,7 +353,13 @@ def _chunk_v(QH, KH, V, PSI, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, ZETA, DPARAM
     b = ct.bid(2)
     dt = QH.dtype
     gamma, _, er = _gates(DT, TRAP, DAR, b, h, c, C, R)
-    diag, diag_t = _same_step(QKD, gamma, b, h, c, C, R, dt)
+    # Same-step q.k products (biased, before rotary) as a block-diagonal [F, F]: [(t, o), (t, i)].
+    qkd = ct.reshape(ct.load(QKD, (b, h, c, 0, 0), (1, 1, C, R, R)), (C, R, 1, R)).astype(ct.float32)
+    tc = ct.arange(C, dtype=ct.int32)
+    eye = ct.reshape(tc, (C, 1, 1, 1)) == ct.reshape(tc, (1, 1, C, 1))
+    diag = ct.reshape(ct.where(ct.broadcast_to(eye, (C, R, C, R)), ct.broadcast_to(qkd, (C, R, C, R)), 0.0),
+                      (F, F))
+    diag_t = ct.transpose(diag * gamma).astype(dt)
 
     lkq = ct.zeros((F, F), dtype=ct.float32)          # k_hat_s . q_hat_t over N, BJ coordinates at a time
     for jt in range(2 * NHB):
@@ -436,83 +405,6 @@ def _chunk_v(QH, KH, V, PSI, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, ZETA, DPARAM
     ct.store(DDA_CS, (b, h, c), ct.reshape(ct.extract(rows, (2, 0), (1, C)), (1, 1, C)))
 
 
-def _chunk(Q, K, QB, KB, V, PSI, ANG, DA, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, ZETA, DPARAM, STATES, DS,
-           DQ, DK, DV, DANG, DFACTOR, DGAMMA, DDA, DDA_CS, DDA_CS_REV, DSSDA, DPSI_WS, DD_WS,
-           HG: K_, N: K_, P: K_, R: K_, C: K_, NR: K_, BP: K_, HAS_Z: B_, HAS_D: B_, REDUCE_O: B_):
-    """Both sides of one chunk on all of N (FUSED_CHUNK): one pass over P (BP columns a step) reads PsiV,
-    dy, dS and STATES once for the key side's products and the value side's dPsiV. Before it, k_hat and
-    the F x F operands of dPsiV; after it, q and k are read again (L2) for the key side's tail rather
-    than held across the loop."""
-    F = C * R
-    NH = N // 2
-    c = ct.bid(0)
-    h = ct.bid(1)
-    b = ct.bid(2)
-    g = h // HG
-    dt = Q.dtype
-    gamma, factor, er = _gates(DT, TRAP, DAR, b, h, c, C, R)
-    diag, diag_t = _same_step(QKD, gamma, b, h, c, C, R, dt)
-    q_lo, q_hi, k_lo, k_hi, cos, sin = _pairs(Q, K, QB, KB, ANG, b, c, g, h, 0, 1, C, R, NH, NR)
-    qh_lo, qh_hi = _rot(q_lo, q_hi, cos, sin)
-    kr_lo, kr_hi = _rot(k_lo, k_hi, cos, sin)
-    kh_lo = (kr_lo * factor).astype(dt)
-    kh_hi = (kr_hi * factor).astype(dt)
-    lkq = ct.mma(kh_lo, ct.transpose(qh_lo.astype(dt)), ct.zeros((F, F), dtype=ct.float32))
-    lkq_m = (ct.mma(kh_hi, ct.transpose(qh_hi.astype(dt)), lkq) * _decay(SEG, b, h, c, C, R)).astype(dt)
-    dpar = ct.gather(DPARAM, h).astype(ct.float32)
-
-    dkq = ct.zeros((F, F), dtype=ct.float32)          # PsiV_s . dy_t
-    dks_lo = ct.zeros((F, NH), dtype=ct.float32)      # PsiV dS^T
-    dks_hi = ct.zeros((F, NH), dtype=ct.float32)
-    dqs_lo = ct.zeros((F, NH), dtype=ct.float32)      # dy STATES^T
-    dqs_hi = ct.zeros((F, NH), dtype=ct.float32)
-    dda = ct.zeros((NH, BP), dtype=ct.float32)        # STATES * dS, summed at the end
-    dd = ct.zeros((F, BP), dtype=ct.float32)
-    for pb in range(P // BP):
-        v = ct.reshape(ct.load(V, (b, c, h, pb), (1, C, 1, BP)), (C, 1, BP)).astype(ct.float32)
-        psi = ct.load(PSI, (h, 0, pb), (1, R, BP)).astype(ct.float32)
-        psiv = ct.reshape(v * psi, (F, BP))
-        psiv16 = psiv.astype(dt)
-        dy = _dy(DOUT, PHI, Z, ZETA, b, h, c, pb, C, R, BP, HAS_Z, REDUCE_O)
-        dy16 = dy.astype(dt)
-        ds_lo = _cell(DS, b, h, c, 0, pb, NH, BP).astype(dt)
-        ds_hi = _cell(DS, b, h, c, 1, pb, NH, BP).astype(dt)
-        st_lo = _cell(STATES, b, h, c, 0, pb, NH, BP)
-        st_hi = _cell(STATES, b, h, c, 1, pb, NH, BP)
-        dda = dda + st_lo.astype(ct.float32) * ds_lo.astype(ct.float32) + \
-            st_hi.astype(ct.float32) * ds_hi.astype(ct.float32)
-        dkq = ct.mma(psiv16, ct.transpose(dy16), dkq)
-        dks_lo = ct.mma(psiv16, ct.transpose(ds_lo), dks_lo)
-        dks_hi = ct.mma(psiv16, ct.transpose(ds_hi), dks_hi)
-        dqs_lo = ct.mma(dy16, ct.transpose(st_lo.astype(dt)), dqs_lo)
-        dqs_hi = ct.mma(dy16, ct.transpose(st_hi.astype(dt)), dqs_hi)
-        khds = ct.mma(kh_hi, ds_hi, ct.mma(kh_lo, ds_lo, ct.zeros((F, BP), dtype=ct.float32)))
-        dpsiv = ct.mma(diag_t, dy16, ct.mma(lkq_m, dy16, er * khds))
-        if HAS_D:
-            dpsiv = dpsiv + dpar * dy
-            dd = dd + dy * psiv
-        d3 = ct.reshape(dpsiv, (C, R, BP))
-        ct.store(DV, (b, c, h, pb), ct.reshape(ct.sum(d3 * psi, axis=1), (1, C, 1, BP)).astype(DV.dtype))
-        ct.store(DPSI_WS, (b, h, c, 0, pb), ct.reshape(ct.sum(d3 * v, axis=0), (1, 1, 1, R, BP)))
-    if HAS_D:
-        ct.store(DD_WS, (b, h, c), ct.reshape(ct.sum(dd), (1, 1, 1)))
-    a_last = ct.exp(ct.gather(DA, (b, h, c * C + C - 1)))
-    ct.store(DDA, (b, h, c), ct.broadcast_to(ct.reshape(a_last * ct.sum(dda), (1, 1, 1)), (1, 1, C)))
-
-    q_lo, q_hi, k_lo, k_hi, cos, sin = _pairs(Q, K, QB, KB, ANG, b, c, g, h, 0, 1, C, R, NH, NR)
-    rev, fac, cs, qh_lo, qh_hi, kh_lo, kh_hi = _key_tail(q_lo, q_hi, k_lo, k_hi, cos, sin, DA, SEG, DQ, DK, DANG, dkq,
-                                                        dks_lo, dks_hi, dqs_lo, dqs_hi, gamma, factor, er,
-                                                        b, c, h, 0, 1, C, R, NH, NR)
-    ct.store(DDA_CS_REV, (b, h, c), ct.reshape(rev, (1, 1, C)))
-    ct.store(DFACTOR, (b, h, c), ct.reshape(fac, (1, 1, C)))
-    ct.store(DDA_CS, (b, h, c), ct.reshape(cs, (1, 1, C)))
-    lkq = ct.mma(kh_hi, ct.transpose(qh_hi), ct.mma(kh_lo, ct.transpose(qh_lo), ct.zeros((F, F), dtype=ct.float32)))
-    ssda = ct.sum(ct.sum(ct.reshape(lkq * dkq, (C, R, C, R)), axis=3), axis=1)
-    ct.store(DSSDA, (b, h, c, 0, 0), ct.reshape(ssda, (1, 1, 1, C, C)))
-    dg = _group(ct.sum(diag * ct.transpose(dkq), axis=1), C, R)
-    ct.store(DGAMMA, (b, h, c), ct.reshape(dg, (1, 1, C)))
-
-
 def _reduce(DPSI_WS, DD_WS, DPSI, DD, R: K_, P: K_, HAS_D: B_):
     """DMIMO_V and DD of (b, h): the per-chunk partials summed in chunk order."""
     h = ct.bid(0)
@@ -529,7 +421,7 @@ def _reduce(DPSI_WS, DD_WS, DPSI, DD, R: K_, P: K_, HAS_D: B_):
         ct.store(DD, (b, h), dd)
 
 
-_BODIES = {"scan_local": _scan, "scan": _scan, "key": _chunk_k, "value": _chunk_v, "chunk": _chunk, "reduce": _reduce}
+_BODIES = {"scan_local": _scan, "scan": _scan, "key": _chunk_k, "value": _chunk_v, "reduce": _reduce}
 _KERNELS: dict = {}
 
 
@@ -628,8 +520,6 @@ def _consts(name: str, config: dict, shape: dict) -> list:
     if name == "value":
         return [N, P, R, C, config["VALUE_BJ"], config["BLOCK_P"], N // 2 // config["KEY_BJ"], z,
                 bool(shape["hasD"]), o]
-    if name == "chunk":
-        return base + [config["BLOCK_P"], z, bool(shape["hasD"]), o]
     return [R, P, bool(shape["hasD"])]
 
 
@@ -670,8 +560,7 @@ def compile_for(config: dict, shape: dict, target: str) -> dict:
 
 def build(config: dict, shape: dict):
     """``run(inputs, outputs)``: the four (five with scan segments) launches on the current stream (each kernel JIT-compiled by cuTile
-    on its first call and cached by signature). Returns the launched resources of the kernel before the
-    reduce (the value side, or the fused chunk kernel)."""
+    on its first call and cached by signature). Returns the value-side kernel's launched resources."""
     config = {**DEFAULTS, **config}
     why = config_reason(config, shape)
     if why:
@@ -683,7 +572,6 @@ def build(config: dict, shape: dict):
     segs = _segments(config, shape)
     scan_tiles = (N // 2 // config["SCAN_BJ"]) * (P // config["SCAN_BP"])
     nkb = N // 2 // config["KEY_BJ"]
-    fused = config["FUSED_CHUNK"]
     work: dict = {}
     info: dict = {}
 
@@ -692,17 +580,15 @@ def build(config: dict, shape: dict):
         dev = i["Q"].device
         if work.get("dev") != dev:
             f32 = {"dtype": torch.float32, "device": dev}
-            work.clear()
             work.update(dev=dev, ds=torch.empty(B, H, nc, N, P, dtype=i["Q"].dtype, device=dev),
+                        dda=torch.empty(B, H, nc, nkb, **f32),
+                        # [.., 4, C]: three row sums and one unused row (tile sides are powers of two)
+                        rows=torch.zeros(B, H, nc, nkb, 4, C, **f32),
                         dpsi=torch.empty(B, H, nc, R, P, **f32), dd=torch.empty(B, H, nc, **f32),
                         dd_out=torch.empty(B, H, **f32), d=torch.zeros(H, **f32),
-                        carry=torch.empty(B, H, segs, N, P, **f32), decay=torch.empty(B, H, segs, **f32))
-            if not fused:   # what the split key side hands the value side
-                work.update(dda=torch.empty(B, H, nc, nkb, **f32),
-                            # [.., 4, C]: three row sums and one unused row (tile sides are powers of two)
-                            rows=torch.zeros(B, H, nc, nkb, 4, C, **f32),
-                            qh=torch.empty(B, H, nc, C * R, N, dtype=i["Q"].dtype, device=dev),
-                            kh=torch.empty(B, H, nc, C * R, N, dtype=i["Q"].dtype, device=dev))
+                        carry=torch.empty(B, H, segs, N, P, **f32), decay=torch.empty(B, H, segs, **f32),
+                        qh=torch.empty(B, H, nc, C * R, N, dtype=i["Q"].dtype, device=dev),
+                        kh=torch.empty(B, H, nc, C * R, N, dtype=i["Q"].dtype, device=dev))
         w = work
         z, zeta = (i["Z"], i["MIMO_Z"]) if shape["hasZ"] else (i["V"], i["MIMO_V"])   # not read without Z
         dpar = i["D"] if shape["hasD"] else w["d"]
@@ -711,23 +597,18 @@ def build(config: dict, shape: dict):
         scan_args = (i["Q"], i["Q_BIAS"], i["ANGLES"], i["DA_CS"], i["DOUT"], i["MIMO_O"], z, zeta, w["ds"], w["carry"],
                      w["decay"])
         launches = [("scan_local", (scan_tiles * (segs - 1), H, B), scan_args)] if segs > 1 else []
-        launches.append(("scan", (scan_tiles * segs, H, B), scan_args))
-        if fused:
-            launches.append(("chunk", (nc, H, B), (
-                i["Q"], i["K"], i["Q_BIAS"], i["K_BIAS"], i["V"], i["MIMO_V"], i["ANGLES"], i["DA_CS"], i["DA_CS_REV"],
-                i["DT"], i["TRAP"], i["QK_DOT"], i["SEGSUM"], i["DOUT"], i["MIMO_O"], z, zeta, dpar, i["STATES"],
-                w["ds"], o["DQ"], o["DK"], o["DV"], o["DANGLES"], o["DFACTOR"], o["DGAMMA_DIAG"], o["DDA"], o["DDA_CS"],
-                o["DDA_CS_REV"], o["DSSDA"], w["dpsi"], w["dd"])))
-        else:
-            launches.append(("key", (nc * nkb, H, B), (
-                i["Q"], i["K"], i["Q_BIAS"], i["K_BIAS"], i["V"], i["MIMO_V"], i["ANGLES"], i["DA_CS"], i["DA_CS_REV"],
-                i["DT"], i["TRAP"], i["SEGSUM"], i["DOUT"], i["MIMO_O"], z, zeta, i["STATES"], w["ds"], o["DQ"],
-                o["DK"], o["DANGLES"], w["rows"], w["dda"], w["qh"], w["kh"])))
-            launches.append(("value", (nc, H, B), (
-                w["qh"], w["kh"], i["V"], i["MIMO_V"], i["DA_CS_REV"], i["DT"], i["TRAP"], i["QK_DOT"], i["SEGSUM"],
-                i["DOUT"], i["MIMO_O"], z, zeta, dpar, w["ds"], w["rows"], w["dda"], o["DV"], o["DFACTOR"],
-                o["DGAMMA_DIAG"], o["DDA"], o["DDA_CS"], o["DDA_CS_REV"], o["DSSDA"], w["dpsi"], w["dd"])))
-        launches.append(("reduce", (H, B, 1), (w["dpsi"], w["dd"], o["DMIMO_V"], dd_out)))
+        launches += [
+            ("scan", (scan_tiles * segs, H, B), scan_args),
+            ("key", (nc * nkb, H, B), (i["Q"], i["K"], i["Q_BIAS"], i["K_BIAS"], i["V"], i["MIMO_V"], i["ANGLES"],
+                                       i["DA_CS"], i["DA_CS_REV"], i["DT"], i["TRAP"], i["SEGSUM"], i["DOUT"],
+                                       i["MIMO_O"], z, zeta, i["STATES"], w["ds"], o["DQ"], o["DK"], o["DANGLES"],
+                                       w["rows"], w["dda"], w["qh"], w["kh"])),
+            ("value", (nc, H, B), (w["qh"], w["kh"], i["V"], i["MIMO_V"], i["DA_CS_REV"], i["DT"], i["TRAP"],
+                                   i["QK_DOT"], i["SEGSUM"], i["DOUT"], i["MIMO_O"], z, zeta, dpar, w["ds"], w["rows"], w["dda"], o["DV"], o["DFACTOR"],
+                                   o["DGAMMA_DIAG"], o["DDA"], o["DDA_CS"], o["DDA_CS_REV"], o["DSSDA"], w["dpsi"],
+                                   w["dd"])),
+            ("reduce", (H, B, 1), (w["dpsi"], w["dd"], o["DMIMO_V"], dd_out)),
+        ]
         for name, grid, arrays in launches:
             args = tuple(arrays) + tuple(consts[name])
             ct.launch(stream, grid, kern[name], args)
