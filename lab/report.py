@@ -6,8 +6,8 @@ baseline lane when it is a library a user would pick (cuBLAS for GEMM), else (th
 ``BASELINE_KIND = "reference"``, see lab/registry.py, or there is no baseline) the fastest lane at
 that shape, named in the table. Each DSL is judged on its rows of the checkout's lane code and
 toolchain (``gate.Freshness``) where it has any there, else on all its rows, marked "(older code)".
-Its headline is its best A/B confirm (lowest confirm median) among those rows, else its best sweep
-trial among them; the ``timing`` column says which, per row, and the note under the table names the
+Its headline is its best A/B confirm (lowest confirm median) among those rows, unless a sweep found a
+config clearly faster than the confirmed one since (``lab.headline``), else its best sweep trial among them; the ``timing`` column says which, per row, and the note under the table names the
 confirm runs. Verdicts FASTER / SLOWER / SAME compare interquartile ranges: SAME when they overlap.
 Rows of ``--compile-only`` runs (no timings) get their own section: what compiled, what fits.
 """
@@ -50,12 +50,12 @@ def best_per_dsl(df: pd.DataFrame) -> pd.DataFrame:
     Candidate rows of each (device, emulated, kernel, shape, dsl): its ok sweep and confirm rows of the
     checkout's lane code and toolchain (``gate.Freshness``) where it has any, else all its ok rows;
     ``fresh`` says which. From the candidates: the best A/B confirm (lowest confirm median; phase=confirm)
-    gives the timings (confirm_*, ms), and the other columns (SMEM, registers, parity) come from that
+    gives the timings (confirm_*, ms) unless a later sweep superseded it (``lab.headline``), and the other columns (SMEM, registers, parity) come from that
     confirm run's own sweep row of that config, else the newest candidate sweep row of that config
     before the confirm (a later run of the same config may have measured other code), else the newest
-    one, else the confirm row itself. A DSL without a confirm among its candidates shows its best sweep
-    trial (confirm_* NaN). ``sweep_best_ms`` is the lowest sweep median among the candidates (NaN if none)."""
-    from lab import gate
+    one, else the confirm row itself. A DSL without a standing confirm among its candidates shows its best
+    sweep trial (confirm_* NaN). ``sweep_best_ms`` is the lowest sweep median among the candidates (NaN if none)."""
+    from lab import gate, headline
     timed = df[~compile_only_mask(df)]
     ok = timed[(timed["status"] == "ok") & timed["time_ms"].notna() & timed["phase"].isin(("sweep", "confirm"))]
     empty = {"sweep_best_ms": pd.Series(dtype=float), "fresh": pd.Series(dtype=bool)} \
@@ -68,10 +68,10 @@ def best_per_dsl(df: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for _, g in ok.groupby(KEYS, sort=True):
         sweep, conf = g[g["phase"] == "sweep"], g[g["phase"] == "confirm"]
-        if conf.empty:
+        c = headline.standing_confirm(conf, sweep)
+        if c is None:
             row = sweep.loc[sweep["time_ms"].idxmin()].to_dict() | {v: float("nan") for v in CONFIRM_COLS.values()}
         else:
-            c = conf.loc[conf["time_ms"].idxmin()]
             same = sweep[sweep["config_json"] == c["config_json"]]
             # The code that the confirm timed: its own run's row, else the newest row before it.
             own = same[same["run_id"] == c["run_id"]]

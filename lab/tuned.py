@@ -3,7 +3,8 @@
 ``export`` writes one file per device profile with, per (kernel, DSL, shape), the best parity-checked
 config: among the rows measured with the checkout's lane code and toolchain where there are any (else
 the rows whose configs name only knobs the lane still has), the fastest A/B-confirmed one where there
-are confirm rows, else the fastest sweep trial (``timing`` says which), its median (ms), the run it
+are confirm rows and no sweep since found a clearly faster config (``lab.headline``), else the fastest
+sweep trial (``timing`` says which), its median (ms), the run it
 came from and the lane identity and toolchain it was measured with, plus ``fresh``: whether that
 identity is still the checkout's (``lab.gate``).
 Rows of a GB10 profile emulated on another GPU keep ``emulated: true`` and the GPU that ran them.
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from lab import gate, identity, registry
+from lab import gate, headline, identity, registry
 from lab.devices import LabError, get_profile
 
 FORMAT = "lab.tuned/1"
@@ -29,10 +30,11 @@ DEFAULT_DIR = identity.ROOT / "results" / "tuned"
 
 
 def _pick(rows: pd.DataFrame) -> tuple[pd.Series, str]:
-    conf = rows[rows["phase"] == "confirm"]
-    pool, timing = (conf, "confirm") if not conf.empty else (rows[rows["phase"] == "sweep"], "sweep")
-    if pool.empty:
-        pool, timing = rows, str(rows["phase"].iloc[0])
+    sweep = rows[rows["phase"] == "sweep"]
+    c = headline.standing_confirm(rows[rows["phase"] == "confirm"], sweep)
+    if c is not None:
+        return c, "confirm"
+    pool, timing = (sweep, "sweep") if not sweep.empty else (rows, str(rows["phase"].iloc[0]))
     return pool.sort_values(["time_ms", "time_utc"]).iloc[0], timing
 
 

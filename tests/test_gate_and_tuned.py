@@ -394,6 +394,20 @@ def test_export_and_best_round_trip(repo, capsys):
     assert t.config == {"BLOCK": 256} and t.median_ms == 1.8 and t.fresh
 
 
+def test_export_confirm_superseded_by_a_clearly_faster_sweep_config(repo):
+    """The export takes a sweep trial over the fastest confirm when it is more than lab.headline.SUPERSEDE
+    faster than the confirmed config's own sweep trial (a config found after the confirm)."""
+    rows = [_row("toy", commit=repo.head, ms=1.75, config={"BLOCK": 32}),
+            _row("toy", commit=repo.head, ms=1.7, config={"BLOCK": 32}, phase="confirm"),
+            _row("toy", commit=repo.head, ms=1.0, config={"BLOCK": 8})]
+    _write(repo, rows)
+    out = repo.path / "tuned"
+    tuned.export(results.load(repo.results), out, ["h100"])
+    t = tuned.best("gemm", "toy", "h100", "sq4096_bf16", path=out)
+    assert t.config == {"BLOCK": 8} and t.median_ms == 1.0
+    assert json.loads((out / "h100.json").read_text())["entries"][0]["timing"] == "sweep"
+
+
 def test_committed_export_matches_the_committed_results(tmp_path):
     """results/tuned/ is what `python -m lab export` writes from results/ (``fresh`` aside, which
     follows the checkout): rerun the export after committing new rows."""

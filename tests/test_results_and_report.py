@@ -215,20 +215,45 @@ def test_report_lane_without_a_confirm_shows_its_sweep_best_beside_the_others_co
                       dict(dsl="torch", baseline=True, config_json="{}", **CONFIRM, **_t(4.0)),
                       dict(config_json='{"BLOCK_M": 64}', **_t(3.0)),
                       dict(config_json='{"BLOCK_M": 64}', **CONFIRM, **_t(3.0)),
-                      dict(config_json='{"BLOCK_M": 128}', **_t(1.0)),
+                      dict(config_json='{"BLOCK_M": 128}', **_t(2.9)),
                       dict(dsl="cute", config_json="{}", **_t(2.0))], run="r1")
     best = with_ratios(best_per_dsl(load(tmp_path))).set_index("dsl")
     tri, cute = best.loc["triton"], best.loc["cute"]
     assert tri["timing_source"] == "A/B confirm" and tri["head_ms"] == pytest.approx(3.0)
-    assert tri["config_json"] == '{"BLOCK_M": 64}' and tri["sweep_best_ms"] == pytest.approx(1.0)
+    assert tri["config_json"] == '{"BLOCK_M": 64}' and tri["sweep_best_ms"] == pytest.approx(2.9)
     assert cute["timing_source"] == "sweep" and cute["head_ms"] == pytest.approx(2.0) and pd.isna(cute["confirm_ms"])
     assert best.loc["torch", "timing_source"] == "A/B confirm"
     assert tri["ratio_to_baseline"] == pytest.approx(4.0 / 3.0) and cute["ratio_to_baseline"] == pytest.approx(2.0)
     md = write(tmp_path).read_text()
     assert "| cute | 2.0000 | 0.0200 | - | sweep | 2.0000 |" in md
-    assert "| triton | 3.0000 | 0.0300 | - | A/B confirm | 1.0000 |" in md
+    assert "| triton | 3.0000 | 0.0300 | - | A/B confirm | 2.9000 |" in md
     assert "A/B confirm, each lane's best: torch, triton in run r1; sweep, each lane's best trial" in md
     assert "(no A/B confirm among its rows): cute;" in md
+
+
+def test_report_confirm_superseded_by_a_clearly_faster_config_found_later(tmp_path):
+    """A later sweep's config more than lab.headline.SUPERSEDE faster than the confirmed config's fastest
+    sweep trial takes the headline (timing "sweep"); within that margin the confirm stands."""
+    from lab import headline
+    from lab.report import best_per_dsl, with_ratios
+    from lab.results import load
+    _write(tmp_path, [dict(dsl="torch", baseline=True, config_json="{}", **_t(40.0)),
+                      dict(dsl="torch", baseline=True, config_json="{}", **CONFIRM, **_t(40.0)),
+                      dict(config_json='{"BLOCK_M": 64}', **_t(23.0)),
+                      dict(config_json='{"BLOCK_M": 64}', **CONFIRM, **_t(23.4))], run="r1")
+    _write(tmp_path, [dict(config_json='{"BLOCK_M": 128}', time_utc="2026-02-01T00:00:00Z", **_t(9.0))], run="r2")
+    best = with_ratios(best_per_dsl(load(tmp_path))).set_index("dsl")
+    tri = best.loc["triton"]
+    assert tri["timing_source"] == "sweep" and tri["head_ms"] == pytest.approx(9.0) and tri["run_id"] == "r2"
+    assert tri["config_json"] == '{"BLOCK_M": 128}' and pd.isna(tri["confirm_ms"])
+    assert best.loc["torch", "timing_source"] == "A/B confirm"
+    # Just inside the margin the confirm stands.
+    near = 23.0 * (1 - headline.SUPERSEDE) + 0.01
+    _write(tmp_path / "b", [dict(config_json='{"BLOCK_M": 64}', **_t(23.0)),
+                            dict(config_json='{"BLOCK_M": 64}', **CONFIRM, **_t(23.4)),
+                            dict(config_json='{"BLOCK_M": 128}', **_t(near))], run="r1")
+    tri = best_per_dsl(load(tmp_path / "b")).set_index("dsl").loc["triton"]
+    assert tri["confirm_ms"] == pytest.approx(23.4) and tri["sweep_best_ms"] == pytest.approx(near)
 
 
 def test_report_headline_is_todays_code_not_a_faster_confirm_of_older_code(tmp_path):
