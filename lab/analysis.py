@@ -4,8 +4,8 @@ Each function returns a DataFrame (empty, with its columns, when no row qualifie
 shared memory in bytes, errors relative (see lab/parity.py), and speeds are ratios: the fastest
 lane's time / the lane's time (1 = the fastest lane at that shape and device, 0.5 = twice as slow).
 Headline times are the report's (lab/report.py, ``best_per_dsl``): each DSL's best A/B confirm among
-its rows of today's lane code (all its rows where it has none), else its best sweep trial among them;
-``timing_source`` says which, per lane.
+its rows of today's lane code (all its rows where it has none) while it stands (lab/headline.py), else
+its best sweep trial among them; ``timing_source`` says which, per lane.
 """
 from __future__ import annotations
 
