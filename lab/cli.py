@@ -118,13 +118,18 @@ def cmd_sweep(args) -> int:
         if len(gpus) > 1:
             return multi.run_workers(args.argv, gpus, args.compile_workers)
         os.environ["CUDA_VISIBLE_DEVICES"], os.environ["LAB_GPU_INDEX"] = str(gpus[0]), str(gpus[0])
+    seeds = {}
+    if args.seed_best:
+        from lab import report, results
+        seeds = {k: [cfg] for k, cfg in report.headline_configs(results.load(args.results), args.kernel, args.device,
+                                                                args.emulate).items()}
     req = sweep.SweepRequest(
         kernel=args.kernel, device=args.device, dsls=dsls, shapes=args.shape or None, trials=args.trials,
         timeout_s=args.timeout, sampler=args.sampler, seed=args.seed, storage=args.storage, emulate=args.emulate,
         compile_only=args.compile_only, results_dir=Path(args.results), prefetch=args.prefetch,
         compile_workers=args.compile_workers,
         baseline=not args.no_baseline, confirm=not args.no_confirm, progress=not args.no_progress,
-        precision=args.precision)
+        precision=args.precision, seeds=seeds, new_trials=args.seed_best)
     sw, summary = sweep.run(req, detect())
     print(f"results: {sw.writer.path} ({len(sw.writer.rows)} rows)")
     return 0
@@ -263,6 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--compile-workers", type=int, default=2, help="CPU processes for ahead-of-time compiles")
     s.add_argument("--no-baseline", action="store_true", help="do not add the baseline lane")
     s.add_argument("--no-confirm", action="store_true", help="skip the A/B re-timing of the best configs")
+    s.add_argument("--seed-best", action="store_true",
+                   help="measure each lane's best committed config (the report's headline row) first, where its "
+                        "study lacks it; --trials then counts new configs after it (0: none), so that "
+                        "--trials 0 --seed-best A/B-confirms every lane's best in one run")
     s.add_argument("--no-progress", action="store_true")
     s.add_argument("--gpus", help="all, or a comma list of GPU indices: one worker per GPU on the same study")
     s.add_argument("--precision", help="fix the sweep files' [precision.NAME] table (e.g. exact: IEEE products, "

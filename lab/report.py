@@ -84,6 +84,17 @@ def best_per_dsl(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def headline_configs(df: pd.DataFrame, kernel: str, device: str, emulated: bool) -> dict[tuple[str, str], dict]:
+    """{(dsl, shape): config} of the report's headline row of each tuned lane of ``kernel`` on the requested
+    ``device`` profile (native or emulated): what ``sweep --seed-best`` measures first."""
+    if df.empty:
+        return {}
+    df = df[(df["kernel"] == kernel) & (df["requested_profile"] == device) & (df["emulated"] == bool(emulated))]
+    best = best_per_dsl(df)
+    return {(r["dsl"], r["shape"]): json.loads(r["config_json"] or "{}")
+            for _, r in best.iterrows() if not bool(r["baseline"])}
+
+
 def _reference_lane(g: pd.DataFrame) -> tuple[pd.Series, str]:
     """(row, kind): the library baseline ("baseline"), else the fastest lane of ``g`` ("fastest")."""
     from lab import registry

@@ -343,3 +343,38 @@ def test_a_test_lanes_rows_stay_out_of_report_gate_and_export(tmp_path):
     assert [e["dsl"] for e in tuned.entries(df, "h200")] == ["triton"]
     md = write(tmp_path).read_text()
     assert "| triton |" in md and "faults" not in md
+
+
+def test_headline_configs_and_sweep_seed_best(tmp_path, monkeypatch, capsys):
+    """``sweep --seed-best`` seeds each tuned lane's report headline config on the requested profile and
+    emulation (no baseline lane), and counts --trials as new configs after it."""
+    from lab import cli, report, sweep
+    from lab.results import load
+    s = "sq4096_bf16"
+    _write(tmp_path, [dict(dsl="torch", baseline=True, config_json="{}", shape=s, **CONFIRM, **_t(4.0)),
+                      dict(config_json='{"BLOCK_M": 64}', shape=s, **_t(3.0)),
+                      dict(config_json='{"BLOCK_M": 64}', shape=s, **CONFIRM, **_t(3.0)),
+                      dict(config_json='{"BLOCK_M": 128}', shape=s, **_t(2.95))], run="r1")
+    _write(tmp_path, [dict(config_json='{"BLOCK_M": 32}', shape=s, emulated=True, requested_profile="gb10",
+                           **_t(5.0))], run="r2", device="gb10")
+    df = load(tmp_path)
+    assert report.headline_configs(df, "gemm", "h100", False) == {("triton", s): {"BLOCK_M": 64}}
+    assert report.headline_configs(df, "gemm", "gb10", True) == {("triton", s): {"BLOCK_M": 32}}
+    assert report.headline_configs(df, "gemm", "gb10", False) == {}
+    got = {}
+
+    class Done:
+        class writer:
+            path, rows = tmp_path / "x.parquet", []
+
+    def fake_run(req, present, **kw):
+        got["req"] = req
+        return Done, {}
+    monkeypatch.setattr(sweep, "run", fake_run)
+    assert cli.main(["sweep", "gemm", "--device", "h100", "--dsl", "triton", "--shape", s, "--trials", "0",
+                     "--seed-best", "--results", str(tmp_path)]) == 0
+    req = got["req"]
+    assert req.seeds == {("triton", s): [{"BLOCK_M": 64}]} and req.new_trials and req.trials == 0
+    assert cli.main(["sweep", "gemm", "--device", "h100", "--dsl", "triton", "--shape", s,
+                     "--results", str(tmp_path)]) == 0
+    assert got["req"].seeds == {} and not got["req"].new_trials
