@@ -7,8 +7,9 @@ baseline lane when it is a library a user would pick (cuBLAS for GEMM), else (th
 that shape, named in the table. Each DSL is judged on its rows of the checkout's lane code and
 toolchain (``gate.Freshness``) where it has any there, else on all its rows, marked "(older code)".
 Its headline is its best A/B confirm (lowest confirm median) among those rows, unless a sweep found a
-config clearly faster than the confirmed one since (``lab.headline``), else its best sweep trial among them; the ``timing`` column says which, per row, and the note under the table names the
-confirm runs. Verdicts FASTER / SLOWER / SAME compare interquartile ranges: SAME when they overlap.
+config clearly faster than the confirmed one since (``lab.headline``), else its best sweep trial among
+them; the ``timing`` column says which, per row, and the note under the table names the confirm runs.
+Verdicts FASTER / SLOWER / SAME compare interquartile ranges: SAME when they overlap.
 Rows of ``--compile-only`` runs (no timings) get their own section: what compiled, what fits.
 """
 from __future__ import annotations
@@ -50,11 +51,12 @@ def best_per_dsl(df: pd.DataFrame) -> pd.DataFrame:
     Candidate rows of each (device, emulated, kernel, shape, dsl): its ok sweep and confirm rows of the
     checkout's lane code and toolchain (``gate.Freshness``) where it has any, else all its ok rows;
     ``fresh`` says which. From the candidates: the best A/B confirm (lowest confirm median; phase=confirm)
-    gives the timings (confirm_*, ms) unless a later sweep superseded it (``lab.headline``), and the other columns (SMEM, registers, parity) come from that
-    confirm run's own sweep row of that config, else the newest candidate sweep row of that config
-    before the confirm (a later run of the same config may have measured other code), else the newest
-    one, else the confirm row itself. A DSL without a standing confirm among its candidates shows its best
-    sweep trial (confirm_* NaN). ``sweep_best_ms`` is the lowest sweep median among the candidates (NaN if none)."""
+    gives the timings (confirm_*, ms) unless a later sweep superseded it (``lab.headline``), and the
+    other columns (SMEM, registers, parity) come from that confirm run's own sweep row of that config,
+    else the newest candidate sweep row of that config before the confirm (a later run of the same config
+    may have measured other code), else the newest one, else the confirm row itself. A DSL without a
+    standing confirm among its candidates shows its best sweep trial (confirm_* NaN). ``sweep_best_ms`` is
+    the lowest sweep median among the candidates (NaN if none)."""
     from lab import gate, headline
     timed = df[~compile_only_mask(df)]
     ok = timed[(timed["status"] == "ok") & timed["time_ms"].notna() & timed["phase"].isin(("sweep", "confirm"))]
