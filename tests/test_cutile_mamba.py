@@ -79,6 +79,19 @@ def test_segmented_scan_compiles(target, compiled):
     assert got["smem_bytes"] == lane.SMEM["gb10"][target] and got["registers"] <= 255, got
 
 
+@pytest.mark.parametrize("target", ["sm_121a", pytest.param("sm_90a", marks=pytest.mark.slow)])
+def test_scan_prep_compiles(target, compiled):
+    """SCAN_PREP at the GB10 shape: the operand kernel is one more cubin, and every kernel is within the
+    target's limit (the key side, which then loads dy instead of building it, is still the largest)."""
+    shape = _shape("gb10")
+    config = {**lane.seed_for(shape), "SCAN_PREP": True}
+    got = compiled(lane, config, shape, target)
+    assert set(got["kernels"]) == {"prep", *lane.KERNELS}
+    assert got["kernels"]["prep"]["smem_bytes"] <= got["kernels"]["key"]["smem_bytes"] == got["smem_bytes"], got
+    assert got["smem_bytes"] <= _LIMIT[target], got
+    assert got["registers"] <= 255, got
+
+
 def test_every_named_shape_has_a_config_and_a_figure():
     for name in NAMED:
         shape = _shape(name)
@@ -87,13 +100,13 @@ def test_every_named_shape_has_a_config_and_a_figure():
 
 
 def test_sweep_seeds_are_valid():
-    """The first seed (the defaults) takes every named shape; every seed takes the sweep's default shapes
+    """A seed is the defaults, which take every named shape; every seed takes the sweep's default shapes
     (a seed another named shape refuses, as a 32-pair block at N = 32, is recorded infeasible there)."""
     from lab import space as sp
     seeds = sp.load_space("mamba_bwd_bwd", "cutile", lane.TUNABLES).seeds
-    assert seeds and seeds[0] == lane.DEFAULTS
+    assert lane.DEFAULTS in seeds
     for name in NAMED:
-        assert lane.config_reason(seeds[0], _shape(name)) is None, name
+        assert lane.config_reason(lane.DEFAULTS, _shape(name)) is None, name
     for seed in seeds:
         for name in sp.load_shapes("mamba_bwd_bwd")[1]:
             assert lane.config_reason(seed, _shape(name)) is None, (seed, name)
@@ -150,6 +163,11 @@ BODY_CASES = [
     pytest.param(_small(), {**SMALL, "SCAN_SEGMENTS": 4}, id="r4-3-segments"),
     pytest.param(_small(B=1, S=8, H=2, G=2, N=32, P=16, R=8, C=2, rd=4, hasZ=True, hasD=True, reduceO=False),
                  {**SMALL, "SCAN_SEGMENTS": 2}, id="r8-4-chunks-2-segments"),
+    # SCAN_PREP: the scan reads _prep's q_hat / dy tiles (two pair blocks, two column blocks), also segmented,
+    # and without Z and the reduced DOUT (dy then the raw DOUT rows).
+    pytest.param(_small(), {**SMALL, "SCAN_PREP": True}, id="r4-scan-prep"),
+    pytest.param(_small(B=1, S=16, H=4, G=2, R=4, rd=2, hasZ=False, hasD=False, reduceO=False, dtype="float16"),
+                 {**SMALL, "SCAN_PREP": True, "SCAN_SEGMENTS": 2}, id="r4-gqa-prep-2-segments-fp16"),
 ]
 
 
@@ -166,6 +184,7 @@ def test_kernel_bodies_match_reference(shape, config, monkeypatch):
     outputs = PROBLEM.alloc_outputs(shape, "cpu")
     info = ns["build"](config, shape)(inputs, outputs)
     local = ["_scan"] if lane._segments(config, shape) > 1 else []       # the scan's local pass
+    local = (["_prep"] if config["SCAN_PREP"] else []) + local
     assert launches == local + ["_scan", "_chunk_k", "_chunk_v", "_reduce"] and info["launches"] == len(launches)
     ref = PROBLEM.reference(inputs, shape)
     assert set(outputs) == set(ref)

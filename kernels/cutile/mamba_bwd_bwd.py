@@ -2,7 +2,8 @@
 the 12 outputs are defined in lab/problems/_mamba3.py).
 
 The decomposition is the Triton lane's (kernels/triton/mamba_bwd_bwd.py, parity-checked on the H100),
-written with cuTile tile operations. Four kernels, launched in this order on the current stream:
+written with cuTile tile operations. Four kernels (five with SCAN_PREP, one more with scan segments),
+launched in this order on the current stream:
 
 1. ``_scan``, grid (N/2/SCAN_BJ * P/SCAN_BP, H, B): the only serial dependency. dS_c (N x P, the
    gradient of the state leaving chunk c) walks the chunks last to first in fp32:
@@ -12,7 +13,8 @@ written with cuTile tile operations. Four kernels, launched in this order on the
    grid (tiles * (K-1), H, B)) runs ranges 1..K-1 from dS = 0 and leaves each range's partial dS and
    decay in CARRY [B, H, K, N, P] / DECAY [B, H, K] (fp32); then a program per (tile, range) starts from
    the carry those compose to. 2 nc/K serial steps on K times the programs, for shapes whose B*H and
-   dS tiles leave SMs idle.
+   dS tiles leave SMs idle. With SCAN_PREP a kernel before it (``_prep``, grid (nc, H, B)) builds the
+   scan's operands of every chunk in parallel (below), and the serial loop only loads them.
 2. ``_chunk_k``, grid (nc * N/2/KEY_BJ, H, B): the key / query side of one chunk on KEY_BJ rotary pairs.
    Its P loop (KEY_BP columns a step) accumulates PsiV dy^T (F x F, F = C*R fused rows t*R + r),
    PsiV dS^T and dy STATES^T; then DQ, DK and DANGLES of its pairs, and its pairs' parts of the row sums
@@ -30,6 +32,8 @@ What crosses global memory between them (the lane allocates it once per device):
   DDA partials  [B, H, nc, N/2/KEY_BJ] fp32         key side -> value side
   q_hat, k_hat  [B, H, nc, C*R, N] input dtype each  key side -> value side (512 MiB in all at the training shape)
   DMIMO_V, DD   [B, H, nc, R, P], [B, H, nc] fp32   value side -> reduce
+  QS, DY        [B, H, nc, C*R, N], [B, H, nc, C*R, P] input dtype   _prep -> scan, DY also -> key side
+                (SCAN_PREP only; 805 MB in all at the training shape)
 cuTile keeps no state on chip across kernels, so these are the temporaries a one-kernel TileLang
 design keeps in shared memory; the dS scan is the only part that needs the chunk order.
 
@@ -46,6 +50,12 @@ partial are fp32.
 Tunables (sweeps/mamba_bwd_bwd/cutile.toml):
   SCAN_BJ, SCAN_BP     dS tile of one scan program: SCAN_BJ rotary pairs x SCAN_BP columns
   SCAN_SEGMENTS        chunk ranges the scan walks at once (above; the largest divisor of nc up to it)
+  SCAN_PREP            a kernel before the scan, grid (nc, H, B), builds the scan's operands of every chunk
+                       at once: q_hat scaled by exp(DA_CS) (QS [B, H, nc, C*R, N]) and dy (DY [B, H, nc,
+                       C*R, P]), input dtype; the scan's serial loop then loads two tiles a step instead
+                       of rotating q and gating dy on its chain (cos / sin, sigmoid, the rank broadcasts),
+                       and the key side's P loop loads dy instead of building it (the same bf16 / fp16
+                       values either way)
   KEY_BJ, KEY_BP       rotary pairs per key-side program; P columns per step of its P loop
   VALUE_BJ, BLOCK_P    pairs per step of the value side's N loops; P columns per step of its P loop
   occupancy            CTAs per SM tileiras compiles every kernel for (0: its choice)
@@ -71,9 +81,10 @@ from lab.problems import _mamba3 as m3
 
 DSL = "cutile"
 KERNEL = "mamba_bwd_bwd"
-TUNABLES = ("SCAN_BJ", "SCAN_BP", "SCAN_SEGMENTS", "KEY_BJ", "KEY_BP", "VALUE_BJ", "BLOCK_P", "occupancy",
+TUNABLES = ("SCAN_BJ", "SCAN_BP", "SCAN_SEGMENTS", "SCAN_PREP", "KEY_BJ", "KEY_BP", "VALUE_BJ", "BLOCK_P", "occupancy",
             "num_worker_warps")
-DEFAULTS = {"SCAN_BJ": 16, "SCAN_BP": 32, "SCAN_SEGMENTS": 1, "KEY_BJ": 16, "KEY_BP": 32, "VALUE_BJ": 16,
+DEFAULTS = {"SCAN_BJ": 16, "SCAN_BP": 32, "SCAN_SEGMENTS": 1, "SCAN_PREP": False, "KEY_BJ": 16, "KEY_BP": 32,
+            "VALUE_BJ": 16,
             "BLOCK_P": 32, "occupancy": 0, "num_worker_warps": 0}
 TARGETS = tuple(f"sm_{a}a" if a >= 90 else f"sm_{a}" for a in ARCHS)
 DTYPES = ("bfloat16", "float16")
@@ -87,8 +98,10 @@ def _segments(config: dict, shape: dict) -> int:
 
 
 def _kernel_names(config: dict, shape: dict) -> tuple:
-    """The kernels a config launches, in order: the local scan pass only with segments."""
-    return (("scan_local",) if _segments(config, shape) > 1 else ()) + KERNELS
+    """The kernels a config launches, in order: the scan's operand kernel only with SCAN_PREP, the local
+    scan pass only with segments."""
+    return (("prep",) if config["SCAN_PREP"] else ()) + (("scan_local",) if _segments(config, shape) > 1 else ()) \
+        + KERNELS
 
 K_ = ct.Constant[int]
 B_ = ct.Constant[bool]
@@ -199,14 +212,38 @@ def _cell(X, b, h, c, jb, pb, BJ, BP):
 # kernels
 
 
-def _scan(Q, QB, ANG, DA, DOUT, PHI, Z, ZETA, DS, CARRY, DECAY,
+def _prep(Q, QB, ANG, DA, DOUT, PHI, Z, ZETA, QS, DY,
+          HG: K_, N: K_, P: K_, R: K_, C: K_, NR: K_, BJ: K_, BP: K_, HAS_Z: B_, REDUCE_O: B_):
+    """The scan's operands of chunk c, off its serial chain: q_hat * exp(DA_CS) per fused row into QS and
+    dy into DY (both [B, H, nc, F, *], input dtype)."""
+    NHB = N // 2 // BJ
+    c = ct.bid(0)
+    h = ct.bid(1)
+    b = ct.bid(2)
+    g = h // HG
+    F = C * R
+    dt = Q.dtype
+    e = _rows(ct.exp(_steps(DA, b, h, c, C)), C, R)
+    for jb in range(NHB):
+        cos, sin = _angles(ANG, b, c, h, jb, C, R, BJ, NR)
+        lo, hi = _rot(_half(Q, QB, b, c, g, h, jb, C, R, BJ), _half(Q, QB, b, c, g, h, NHB + jb, C, R, BJ), cos, sin)
+        ct.store(QS, (b, h, c, 0, jb), ct.reshape((lo * e).astype(dt), (1, 1, 1, F, BJ)))
+        ct.store(QS, (b, h, c, 0, NHB + jb), ct.reshape((hi * e).astype(dt), (1, 1, 1, F, BJ)))
+    for pb in range(P // BP):
+        dy = _dy(DOUT, PHI, Z, ZETA, b, h, c, pb, C, R, BP, HAS_Z, REDUCE_O)
+        ct.store(DY, (b, h, c, 0, pb), ct.reshape(dy.astype(dt), (1, 1, 1, F, BP)))
+
+
+def _scan(Q, QB, ANG, DA, DOUT, PHI, Z, ZETA, QS, DY, DS, CARRY, DECAY,
           HG: K_, N: K_, P: K_, R: K_, C: K_, NR: K_, BJ: K_, BP: K_, HAS_Z: B_, REDUCE_O: B_, SEGS: K_,
-          LOCAL: B_):
+          LOCAL: B_, PREP: B_):
     """dS_c for every chunk c (the gradient of the state leaving chunk c; zero for the last), in SEGS
     ranges of NC / SEGS chunks, a program per (tile, range). LOCAL: ranges 1..SEGS-1 from dS = 0, no dS
     written; each leaves its partial dS in CARRY[:, :, k] and its decay (the product of its chunks'
     exp(DA_CS at the last step)) in DECAY[:, :, k]. Else range k starts from the carry those compose to:
-    carry_k = CARRY_{k+1} + DECAY_{k+1} carry_{k+1}, carry_{SEGS-1} = 0 (the recurrence is linear)."""
+    carry_k = CARRY_{k+1} + DECAY_{k+1} carry_{k+1}, carry_{SEGS-1} = 0 (the recurrence is linear).
+    PREP: the operands are _prep's QS / DY tiles; else built here from Q, ANG, DOUT, Z."""
+    F = C * R
     NHB = N // 2 // BJ
     NPB = P // BP
     NC = Q.shape[1] // C
@@ -236,25 +273,30 @@ def _scan(Q, QB, ANG, DA, DOUT, PHI, Z, ZETA, DS, CARRY, DECAY,
         if not LOCAL:
             ct.store(DS, (b, h, c, jb, pb), ct.reshape(run_lo, (1, 1, 1, BJ, BP)).astype(DS.dtype))
             ct.store(DS, (b, h, c, NHB + jb, pb), ct.reshape(run_hi, (1, 1, 1, BJ, BP)).astype(DS.dtype))
-        q_lo = _half(Q, QB, b, c, g, h, jb, C, R, BJ)
-        q_hi = _half(Q, QB, b, c, g, h, NHB + jb, C, R, BJ)
-        cos, sin = _angles(ANG, b, c, h, jb, C, R, BJ, NR)
-        qh_lo, qh_hi = _rot(q_lo, q_hi, cos, sin)
-        da = _steps(DA, b, h, c, C)
-        dye = (_dy(DOUT, PHI, Z, ZETA, b, h, c, pb, C, R, BP, HAS_Z, REDUCE_O) * _rows(ct.exp(da), C, R)).astype(dt)
+        if PREP:
+            qh_lo = _hat(QS, b, h, c, jb, F, BJ)
+            qh_hi = _hat(QS, b, h, c, NHB + jb, F, BJ)
+            dye = _hat(DY, b, h, c, pb, F, BP)
+        else:
+            cos, sin = _angles(ANG, b, c, h, jb, C, R, BJ, NR)
+            lo, hi = _rot(_half(Q, QB, b, c, g, h, jb, C, R, BJ), _half(Q, QB, b, c, g, h, NHB + jb, C, R, BJ),
+                          cos, sin)
+            qh_lo, qh_hi = lo.astype(dt), hi.astype(dt)
+            e = _rows(ct.exp(_steps(DA, b, h, c, C)), C, R)
+            dye = (_dy(DOUT, PHI, Z, ZETA, b, h, c, pb, C, R, BP, HAS_Z, REDUCE_O) * e).astype(dt)
         a_last = ct.exp(ct.gather(DA, (b, h, c * C + C - 1)))
         decay = decay * a_last
-        run_lo = ct.mma(ct.transpose(qh_lo.astype(dt)), dye, a_last * run_lo)
-        run_hi = ct.mma(ct.transpose(qh_hi.astype(dt)), dye, a_last * run_hi)
+        run_lo = ct.mma(ct.transpose(qh_lo), dye, a_last * run_lo)
+        run_hi = ct.mma(ct.transpose(qh_hi), dye, a_last * run_hi)
     if LOCAL:
         ct.store(CARRY, (b, h, seg, jb, pb), ct.reshape(run_lo, (1, 1, 1, BJ, BP)))
         ct.store(CARRY, (b, h, seg, NHB + jb, pb), ct.reshape(run_hi, (1, 1, 1, BJ, BP)))
         ct.store(DECAY, (b, h, seg), ct.reshape(decay, (1, 1, 1)))   # the same value from every tile
 
 
-def _chunk_k(Q, K, QB, KB, V, PSI, ANG, DA, DAR, DT, TRAP, SEG, DOUT, PHI, Z, ZETA, STATES, DS,
+def _chunk_k(Q, K, QB, KB, V, PSI, ANG, DA, DAR, DT, TRAP, SEG, DOUT, PHI, Z, ZETA, DY, STATES, DS,
              DQ, DK, DANG, ROW_WS, DDA_WS, QH, KH,
-             HG: K_, N: K_, P: K_, R: K_, C: K_, NR: K_, BJ: K_, BP: K_, HAS_Z: B_, REDUCE_O: B_):
+             HG: K_, N: K_, P: K_, R: K_, C: K_, NR: K_, BJ: K_, BP: K_, HAS_Z: B_, REDUCE_O: B_, PREP: B_):
     """Key / query side of one chunk on BJ rotary pairs; also writes its pairs' q_hat, k_hat (input dtype)
     to QH, KH [B, H, nc, F, N] for the value side."""
     F = C * R
@@ -274,7 +316,10 @@ def _chunk_k(Q, K, QB, KB, V, PSI, ANG, DA, DAR, DT, TRAP, SEG, DOUT, PHI, Z, ZE
     dda = ct.zeros((BJ, BP), dtype=ct.float32)        # STATES * dS, summed at the end
     for pb in range(P // BP):
         psiv = _fuse(V, PSI, b, h, c, pb, C, R, BP).astype(dt)
-        dy16 = _dy(DOUT, PHI, Z, ZETA, b, h, c, pb, C, R, BP, HAS_Z, REDUCE_O).astype(dt)
+        if PREP:
+            dy16 = _hat(DY, b, h, c, pb, F, BP)
+        else:
+            dy16 = _dy(DOUT, PHI, Z, ZETA, b, h, c, pb, C, R, BP, HAS_Z, REDUCE_O).astype(dt)
         ds_lo = _cell(DS, b, h, c, jb, pb, BJ, BP)
         ds_hi = _cell(DS, b, h, c, NHB + jb, pb, BJ, BP)
         st_lo = _cell(STATES, b, h, c, jb, pb, BJ, BP)
@@ -421,7 +466,7 @@ def _reduce(DPSI_WS, DD_WS, DPSI, DD, R: K_, P: K_, HAS_D: B_):
         ct.store(DD, (b, h), dd)
 
 
-_BODIES = {"scan_local": _scan, "scan": _scan, "key": _chunk_k, "value": _chunk_v, "reduce": _reduce}
+_BODIES = {"prep": _prep, "scan_local": _scan, "scan": _scan, "key": _chunk_k, "value": _chunk_v, "reduce": _reduce}
 _KERNELS: dict = {}
 
 
@@ -500,7 +545,9 @@ def _layouts(config: dict, shape: dict) -> dict:
             "DPSI_WS": (f, (B, H, nc, R, P)), "DD_WS": (f, (B, H, nc)), "DPSI": (f, (B, H, R, P)),
             "DD": (f, (B, H)), **{k: (f, (B, H, S)) for k in ("DFACTOR", "DGAMMA", "DDA", "DDA_CS", "DDA_CS_REV")},
             "DSSDA": (f, (B, H, nc, C, C)), "QH": (e, (B, H, nc, C * R, N)), "KH": (e, (B, H, nc, C * R, N)),
-            "CARRY": (f, (B, H, segs, N, P)), "DECAY": (f, (B, H, segs))}
+            "CARRY": (f, (B, H, segs, N, P)), "DECAY": (f, (B, H, segs)),
+            # Without SCAN_PREP the scan is handed QH / KH in their place (read by no code path there).
+            "QS": (e, (B, H, nc, C * R, N)), "DY": (e, (B, H, nc, C * R, P if config["SCAN_PREP"] else N))}
 
 
 def _params(name: str) -> list[str]:
@@ -514,9 +561,12 @@ def _consts(name: str, config: dict, shape: dict) -> list:
     z, o = bool(shape["hasZ"]), bool(shape["reduceO"])
     base = [H // G, N, P, R, C, nr]
     if name in ("scan", "scan_local"):
-        return base + [config["SCAN_BJ"], config["SCAN_BP"], z, o, _segments(config, shape), name == "scan_local"]
+        return base + [config["SCAN_BJ"], config["SCAN_BP"], z, o, _segments(config, shape), name == "scan_local",
+                       bool(config["SCAN_PREP"])]
+    if name == "prep":
+        return base + [config["SCAN_BJ"], config["SCAN_BP"], z, o]
     if name == "key":
-        return base + [config["KEY_BJ"], config["KEY_BP"], z, o]
+        return base + [config["KEY_BJ"], config["KEY_BP"], z, o, bool(config["SCAN_PREP"])]
     if name == "value":
         return [N, P, R, C, config["VALUE_BJ"], config["BLOCK_P"], N // 2 // config["KEY_BJ"], z,
                 bool(shape["hasD"]), o]
@@ -537,7 +587,7 @@ def compile_cubins(config: dict, shape: dict, target: str) -> dict:
 
 
 def compile_for(config: dict, shape: dict, target: str) -> dict:
-    """The four kernels for ``target`` (no GPU); smem_bytes / registers are the largest of them."""
+    """The kernels of a config for ``target`` (no GPU); smem_bytes / registers are the largest of them."""
     config = {**DEFAULTS, **config}
     reason = eligibility(target) or config_reason(config, shape)
     if reason:
@@ -559,8 +609,9 @@ def compile_for(config: dict, shape: dict, target: str) -> dict:
 
 
 def build(config: dict, shape: dict):
-    """``run(inputs, outputs)``: the four (five with scan segments) launches on the current stream (each kernel JIT-compiled by cuTile
-    on its first call and cached by signature). Returns the value-side kernel's launched resources."""
+    """``run(inputs, outputs)``: the four launches (and _prep with SCAN_PREP, the local pass with scan
+    segments) on the current stream (each kernel JIT-compiled by cuTile on its first call and cached by
+    signature). Returns the value-side kernel's launched resources."""
     config = {**DEFAULTS, **config}
     why = config_reason(config, shape)
     if why:
@@ -589,19 +640,25 @@ def build(config: dict, shape: dict):
                         carry=torch.empty(B, H, segs, N, P, **f32), decay=torch.empty(B, H, segs, **f32),
                         qh=torch.empty(B, H, nc, C * R, N, dtype=i["Q"].dtype, device=dev),
                         kh=torch.empty(B, H, nc, C * R, N, dtype=i["Q"].dtype, device=dev))
+            if config["SCAN_PREP"]:
+                work.update(qs=torch.empty(B, H, nc, C * R, N, dtype=i["Q"].dtype, device=dev),
+                            dy=torch.empty(B, H, nc, C * R, P, dtype=i["Q"].dtype, device=dev))
         w = work
         z, zeta = (i["Z"], i["MIMO_Z"]) if shape["hasZ"] else (i["V"], i["MIMO_V"])   # not read without Z
         dpar = i["D"] if shape["hasD"] else w["d"]
         dd_out = o["DD"] if shape["hasD"] else w["dd_out"]
         stream = torch.cuda.current_stream()
-        scan_args = (i["Q"], i["Q_BIAS"], i["ANGLES"], i["DA_CS"], i["DOUT"], i["MIMO_O"], z, zeta, w["ds"], w["carry"],
-                     w["decay"])
-        launches = [("scan_local", (scan_tiles * (segs - 1), H, B), scan_args)] if segs > 1 else []
+        inputs_q = (i["Q"], i["Q_BIAS"], i["ANGLES"], i["DA_CS"], i["DOUT"], i["MIMO_O"], z, zeta)
+        qs, dy = (w["qs"], w["dy"]) if config["SCAN_PREP"] else (w["qh"], w["kh"])
+        scan_args = inputs_q + (qs, dy, w["ds"], w["carry"], w["decay"])
+        launches = [("prep", (nc, H, B), inputs_q + (qs, dy))] if config["SCAN_PREP"] else []
+        launches += [("scan_local", (scan_tiles * (segs - 1), H, B), scan_args)] if segs > 1 else []
         launches += [
             ("scan", (scan_tiles * segs, H, B), scan_args),
             ("key", (nc * nkb, H, B), (i["Q"], i["K"], i["Q_BIAS"], i["K_BIAS"], i["V"], i["MIMO_V"], i["ANGLES"],
                                        i["DA_CS"], i["DA_CS_REV"], i["DT"], i["TRAP"], i["SEGSUM"], i["DOUT"],
-                                       i["MIMO_O"], z, zeta, i["STATES"], w["ds"], o["DQ"], o["DK"], o["DANGLES"],
+                                       i["MIMO_O"], z, zeta, dy if config["SCAN_PREP"] else w["ds"], i["STATES"],
+                                       w["ds"], o["DQ"], o["DK"], o["DANGLES"],
                                        w["rows"], w["dda"], w["qh"], w["kh"])),
             ("value", (nc, H, B), (w["qh"], w["kh"], i["V"], i["MIMO_V"], i["DA_CS_REV"], i["DT"], i["TRAP"],
                                    i["QK_DOT"], i["SEGSUM"], i["DOUT"], i["MIMO_O"], z, zeta, dpar, w["ds"], w["rows"], w["dda"], o["DV"], o["DFACTOR"],
