@@ -46,6 +46,19 @@ def _device_and_l2(device: str | None) -> tuple[str, int]:
     return device, (gpu.l2_bytes if device.startswith("cuda") and gpu else 0)
 
 
+def _cases(lane: registry.Lane, cfgs: list[dict], named: dict, out):
+    """(config, shape name, shape) for each pair the lane takes, configs first; prints each config and
+    each refusal (with its reason) as it goes."""
+    for cfg in cfgs:
+        out(f"config {json.dumps(cfg, sort_keys=True)}")
+        for name, shape in named.items():
+            why = lane.module.config_reason(cfg, shape)
+            if why:
+                out(f"  {name}: refused: {why}")
+                continue
+            yield cfg, name, shape
+
+
 def check(kernel: str, dsl: str, shapes: list[str], configs: list[str] | None = None, device: str | None = None,
           traceback: bool = False, out=print) -> int:
     """Exit status 0 when every (config, shape) is ok, 1 otherwise."""
@@ -55,26 +68,20 @@ def check(kernel: str, dsl: str, shapes: list[str], configs: list[str] | None = 
     cfgs = parse_configs(configs, lane)  # refusals need no GPU: before the device check
     device, l2 = _device_and_l2(device)
     bad = 0
-    for cfg in cfgs:
-        out(f"config {json.dumps(cfg, sort_keys=True)}")
-        for name, shape in named.items():
-            why = lane.module.config_reason(cfg, shape)
-            if why:
-                out(f"  {name}: refused: {why}")
-                continue
-            res = worker.run_trial({"kernel": kernel, "dsl": dsl, "config": cfg, "shape": shape, "seed": 7,
-                                    "device": device, "l2_bytes": l2, "timing": {}})
-            bad += res["status"] != "ok"
-            for output, e in sorted(res.get("parity", {}).items()):
-                out(f"  {name} {output:14s} rel_l2 {e['rel_l2']:.3e}  rel_max {e['rel_max']:.3e}"
-                    + (f"  non-finite {e['nonfinite']}" if e.get("nonfinite") else ""))
-            if res["status"] == "ok":
-                out(f"  {name}: ok (parity at {', '.join(res.get('parity_shapes', []))}); median {res['time_ms']:.4f} ms "
-                    f"(IQR {res['time_q1_ms']:.4f}-{res['time_q3_ms']:.4f}, {res['samples']} samples, {res['timing_stop']})")
-            else:
-                out(f"  {name}: {res['status']}: {res.get('error', '')}")
-                if traceback and res.get("traceback"):
-                    out(res["traceback"])
+    for cfg, name, shape in _cases(lane, cfgs, named, out):
+        res = worker.run_trial({"kernel": kernel, "dsl": dsl, "config": cfg, "shape": shape, "seed": 7,
+                                "device": device, "l2_bytes": l2, "timing": {}})
+        bad += res["status"] != "ok"
+        for output, e in sorted(res.get("parity", {}).items()):
+            out(f"  {name} {output:14s} rel_l2 {e['rel_l2']:.3e}  rel_max {e['rel_max']:.3e}"
+                + (f"  non-finite {e['nonfinite']}" if e.get("nonfinite") else ""))
+        if res["status"] == "ok":
+            out(f"  {name}: ok (parity at {', '.join(res.get('parity_shapes', []))}); median {res['time_ms']:.4f} ms "
+                f"(IQR {res['time_q1_ms']:.4f}-{res['time_q3_ms']:.4f}, {res['samples']} samples, {res['timing_stop']})")
+        else:
+            out(f"  {name}: {res['status']}: {res.get('error', '')}")
+            if traceback and res.get("traceback"):
+                out(res["traceback"])
     return 1 if bad else 0
 
 
@@ -91,26 +98,20 @@ def profile(kernel: str, dsl: str, shapes: list[str], configs: list[str] | None 
     device, l2 = _device_and_l2(device)
     cuda = device.startswith("cuda")
     flush = timing._flusher(device, l2)
-    for cfg in cfgs:
-        out(f"config {json.dumps(cfg, sort_keys=True)}")
-        for name, shape in named.items():
-            why = lane.module.config_reason(cfg, shape)
-            if why:
-                out(f"  {name}: refused: {why}")
-                continue
-            run = lane.module.build(cfg, shape)
-            inputs, outputs = problem.make_inputs(shape, device, 7), problem.alloc_outputs(shape, device)
-            for _ in range(3):
-                run(inputs, outputs)
-            if cuda:
-                torch.cuda.synchronize()
-            lane_t = _per_kernel(cuda, calls, lambda: (flush(), run(inputs, outputs)))
-            flush_t = _per_kernel(cuda, calls, flush)  # subtracted: the flush's own kernels
-            rows = {k: (t - flush_t.get(k, (0, 0))[0], n - flush_t.get(k, (0, 0))[1]) for k, (t, n) in lane_t.items()}
-            out(f"  {name}: per call (us), {calls} calls, L2 flushed before each")
-            for key, (t, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]:
-                if n > 0 and t > 0:
-                    out(f"    {t / calls:10.1f}  x{n / calls:<4g} {key[:90]}")
+    for cfg, name, shape in _cases(lane, cfgs, named, out):
+        run = lane.module.build(cfg, shape)
+        inputs, outputs = problem.make_inputs(shape, device, 7), problem.alloc_outputs(shape, device)
+        for _ in range(3):
+            run(inputs, outputs)
+        if cuda:
+            torch.cuda.synchronize()
+        lane_t = _per_kernel(cuda, calls, lambda: (flush(), run(inputs, outputs)))
+        flush_t = _per_kernel(cuda, calls, flush)  # subtracted: the flush's own kernels
+        rows = {k: (t - flush_t.get(k, (0, 0))[0], n - flush_t.get(k, (0, 0))[1]) for k, (t, n) in lane_t.items()}
+        out(f"  {name}: per call (us), {calls} calls, L2 flushed before each")
+        for key, (t, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]:
+            if n > 0 and t > 0:
+                out(f"    {t / calls:10.1f}  x{n / calls:<4g} {key[:90]}")
     return 0
 
 

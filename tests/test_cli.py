@@ -111,7 +111,10 @@ def test_check_and_profile_a_lane_on_the_cpu(lab_env):
     assert p.returncode == 1, p.stderr[-2000:]
     assert "tiny: ok (parity at timed" in p.stdout and "median" in p.stdout and "rel_l2" in p.stdout, p.stdout
     assert "tiny: wrong_result" in p.stdout, p.stdout
-    p = lab("check", "gemm", "--dsl", "sim", "--shape", "tiny", "--device", "cpu", "--config", ok)
+    # A config the lane refuses at a shape is named with its reason, is not run and is no failure.
+    p = lab("check", "gemm", "--dsl", "sim", "--shape", "tiny", "--device", "cpu", "--config", ok,
+            "--config", '{"MODE": "refused"}')
     assert p.returncode == 0, p.stdout + p.stderr[-2000:]
+    assert p.stdout.count("tiny: ok (parity") == 1 and "tiny: refused: MODE=refused is refused" in p.stdout, p.stdout
     p = lab("profile", "gemm", "--dsl", "torch", "--shape", "tiny", "--device", "cpu", "--calls", "3")
     assert p.returncode == 0 and "per call (us), 3 calls" in p.stdout and "aten::" in p.stdout, p.stdout + p.stderr
