@@ -81,11 +81,10 @@ from lab.problems import _mamba3 as m3
 
 DSL = "cutile"
 KERNEL = "mamba_bwd_bwd"
-TUNABLES = ("SCAN_BJ", "SCAN_BP", "SCAN_SEGMENTS", "SCAN_PREP", "KEY_BJ", "KEY_BP", "VALUE_BJ", "BLOCK_P", "occupancy",
-            "num_worker_warps")
+TUNABLES = ("SCAN_BJ", "SCAN_BP", "SCAN_SEGMENTS", "SCAN_PREP", "KEY_BJ", "KEY_BP", "VALUE_BJ", "BLOCK_P",
+            "occupancy", "num_worker_warps")
 DEFAULTS = {"SCAN_BJ": 16, "SCAN_BP": 32, "SCAN_SEGMENTS": 1, "SCAN_PREP": False, "KEY_BJ": 16, "KEY_BP": 32,
-            "VALUE_BJ": 16,
-            "BLOCK_P": 32, "occupancy": 0, "num_worker_warps": 0}
+            "VALUE_BJ": 16, "BLOCK_P": 32, "occupancy": 0, "num_worker_warps": 0}
 TARGETS = tuple(f"sm_{a}a" if a >= 90 else f"sm_{a}" for a in ARCHS)
 DTYPES = ("bfloat16", "float16")
 KERNELS = ("scan", "key", "value", "reduce")
