@@ -32,7 +32,7 @@ What crosses global memory between them (the lane allocates it once per device):
   DDA partials  [B, H, nc, N/2/KEY_BJ] fp32         key side -> value side
   q_hat, k_hat  [B, H, nc, C*R, N] input dtype each  key side -> value side (512 MiB in all at the training shape)
   DMIMO_V, DD   [B, H, nc, R, P], [B, H, nc] fp32   value side -> reduce
-  QS, DY        [B, H, nc, C*R, N], [B, H, nc, C*R, P] input dtype   _prep -> scan, DY also -> key side
+  QS, DY        [B, H, nc, C*R, N], [B, H, nc, C*R, P] input dtype   _prep -> scan, DY also -> chunk kernels
                 (SCAN_PREP only; 805 MB in all at the training shape)
 cuTile keeps no state on chip across kernels, so these are the temporaries a one-kernel TileLang
 design keeps in shared memory; the dS scan is the only part that needs the chunk order.
@@ -54,8 +54,9 @@ Tunables (sweeps/mamba_bwd_bwd/cutile.toml):
                        at once: q_hat scaled by exp(DA_CS) (QS [B, H, nc, C*R, N]) and dy (DY [B, H, nc,
                        C*R, P]), input dtype; the scan's serial loop then loads two tiles a step instead
                        of rotating q and gating dy on its chain (cos / sin, sigmoid, the rank broadcasts),
-                       and the key side's P loop loads dy instead of building it (the same bf16 / fp16
-                       values either way)
+                       and the key and value sides' P loops load dy instead of building it (the GEMM
+                       operands are the same bf16 / fp16 values either way; the value side's D terms, DD
+                       and D dy in DV, then take dy rounded to them too)
   KEY_BJ, KEY_BP       rotary pairs per key-side program; P columns per step of its P loop
   VALUE_BJ, BLOCK_P    pairs per step of the value side's N loops; P columns per step of its P loop
   occupancy            CTAs per SM tileiras compiles every kernel for (0: its choice)
@@ -385,9 +386,9 @@ def _chunk_k(Q, K, QB, KB, V, PSI, ANG, DA, DAR, DT, TRAP, SEG, DOUT, PHI, Z, ZE
     ct.store(DQ, (b, c, h, NHB + jb), ct.reshape(dq_hi, (1, F, 1, BJ)).astype(DQ.dtype))
 
 
-def _chunk_v(QH, KH, V, PSI, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, ZETA, DPARAM, DS,
+def _chunk_v(QH, KH, V, PSI, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, ZETA, DY, DPARAM, DS,
              ROW_WS, DDA_WS, DV, DFACTOR, DGAMMA, DDA, DDA_CS, DDA_CS_REV, DSSDA, DPSI_WS, DD_WS,
-             N: K_, P: K_, R: K_, C: K_, BJ: K_, BP: K_, NKB: K_, HAS_Z: B_, HAS_D: B_, REDUCE_O: B_):
+             N: K_, P: K_, R: K_, C: K_, BJ: K_, BP: K_, NKB: K_, HAS_Z: B_, HAS_D: B_, REDUCE_O: B_, PREP: B_):
     """Value side of one chunk, on q_hat and k_hat as the key side wrote them (NKB: the key side's pair
     blocks, whose partials it sums)."""
     F = C * R
@@ -417,8 +418,12 @@ def _chunk_v(QH, KH, V, PSI, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, ZETA, DPARAM
         v = ct.reshape(ct.load(V, (b, c, h, pb), (1, C, 1, BP)), (C, 1, BP)).astype(ct.float32)
         psi = ct.load(PSI, (h, 0, pb), (1, R, BP)).astype(ct.float32)
         psiv = ct.reshape(v * psi, (F, BP))
-        dy = _dy(DOUT, PHI, Z, ZETA, b, h, c, pb, C, R, BP, HAS_Z, REDUCE_O)
-        dy16 = dy.astype(dt)
+        if PREP:   # _prep's dy, in the input dtype (the D terms below then take it rounded, as the GEMMs do)
+            dy16 = _hat(DY, b, h, c, pb, F, BP)
+            dy = dy16.astype(ct.float32)
+        else:
+            dy = _dy(DOUT, PHI, Z, ZETA, b, h, c, pb, C, R, BP, HAS_Z, REDUCE_O)
+            dy16 = dy.astype(dt)
         # k_hat dS_c over N, BJ coordinates at a time.
         khds = ct.zeros((F, BP), dtype=ct.float32)
         for jt in range(2 * NHB):
@@ -568,7 +573,7 @@ def _consts(name: str, config: dict, shape: dict) -> list:
         return base + [config["KEY_BJ"], config["KEY_BP"], z, o, bool(config["SCAN_PREP"])]
     if name == "value":
         return [N, P, R, C, config["VALUE_BJ"], config["BLOCK_P"], N // 2 // config["KEY_BJ"], z,
-                bool(shape["hasD"]), o]
+                bool(shape["hasD"]), o, bool(config["SCAN_PREP"])]
     return [R, P, bool(shape["hasD"])]
 
 
@@ -660,7 +665,8 @@ def build(config: dict, shape: dict):
                                        w["ds"], o["DQ"], o["DK"], o["DANGLES"],
                                        w["rows"], w["dda"], w["qh"], w["kh"])),
             ("value", (nc, H, B), (w["qh"], w["kh"], i["V"], i["MIMO_V"], i["DA_CS_REV"], i["DT"], i["TRAP"],
-                                   i["QK_DOT"], i["SEGSUM"], i["DOUT"], i["MIMO_O"], z, zeta, dpar, w["ds"], w["rows"], w["dda"], o["DV"], o["DFACTOR"],
+                                   i["QK_DOT"], i["SEGSUM"], i["DOUT"], i["MIMO_O"], z, zeta,
+                                   dy if config["SCAN_PREP"] else w["ds"], dpar, w["ds"], w["rows"], w["dda"], o["DV"], o["DFACTOR"],
                                    o["DGAMMA_DIAG"], o["DDA"], o["DDA_CS"], o["DDA_CS_REV"], o["DSSDA"], w["dpsi"],
                                    w["dd"])),
             ("reduce", (H, B, 1), (w["dpsi"], w["dd"], o["DMIMO_V"], dd_out)),
