@@ -48,8 +48,9 @@ def check(name: str, config: dict) -> bool:
     run(inputs, outputs)
     torch.cuda.synchronize()
     launch = lane.launchers(config, shape)
-    work = lane.workspace(config, shape, inputs["Q"].dtype, "cuda")   # the scan alone, into a workspace of ours
-    launch["scan"](inputs, outputs, work)
+    work = lane.workspace(config, shape, inputs["Q"].dtype, "cuda")   # the scan (after Prep), into a workspace of ours
+    for name in lane.kernel_names(config)[:lane.kernel_names(config).index("scan") + 1]:   # Prep, if any
+        launch[name](inputs, outputs, work)
     torch.cuda.synchronize()
     ref_ds = m3.state_grads(inputs, shape)
     ds = parity.output_error(work["ds"], ref_ds)
@@ -64,7 +65,7 @@ def check(name: str, config: dict) -> bool:
         ok = ok and good
         print(f"  {writer.get(out, 'value'):6s} {out:11s} rel_l2 {err.rel_l2:.2e} rel_max {err.rel_max:.2e} "
               f"nonfinite {err.nonfinite} {'ok' if good else 'WRONG'}", flush=True)
-    each = {name: _time_ms(lambda f=launch[name]: f(inputs, outputs, work)) for name in lane.KERNELS}
+    each = {name: _time_ms(lambda f=launch[name]: f(inputs, outputs, work)) for name in lane.kernel_names(config)}
     print(f"  time {_time_ms(lambda: run(inputs, outputs)):.3f} ms (" +
           ", ".join(f"{name} {ms:.3f}" for name, ms in each.items()) + ")", flush=True)
     return ok

@@ -478,19 +478,20 @@ def emulated() -> dict:
 
 
 def run_lane(config: dict, shape: dict, inputs: dict, outputs: dict, modules: dict | None = None) -> list[str]:
-    """The CuTe bwd_bwd lane's four kernels on the stand-in, in the lane's order, with its own argument
+    """The CuTe bwd_bwd lane's kernels on the stand-in, in the lane's order, with its own argument
     lists (kernels/cute/mamba_bwd_bwd.py: workspace, arguments); workspaces start as NaN. Returns the
     kernels launched."""
     from kernels.cute import mamba_bwd_bwd as lane
     config = {**lane.DEFAULTS, **config}
     m = modules or emulated()
     work = {k: v.fill_(math.nan) for k, v in lane.workspace(config, shape, inputs["Q"].dtype, "cpu").items()}
-    programs = {"scan": m["scan"]["Scan"](config, shape), "key": m["chunk"]["Key"](config, shape),
-                "value": m["chunk"]["Value"](config, shape), "reduce": m["chunk"]["Reduce"](shape)}
+    programs = {"prep": m["scan"]["Prep"](config, shape), "scan": m["scan"]["Scan"](config, shape),
+                "key": m["chunk"]["Key"](config, shape), "value": m["chunk"]["Value"](config, shape),
+                "reduce": m["chunk"]["Reduce"](shape)}
     args = lane.arguments(inputs, outputs, work, shape)
-    for name in lane.KERNELS:
+    for name in lane.kernel_names(config):
         ptrs = [Ptr(t.view(-1)) for t in args[name]]
         programs[name](*ptrs, None)
         for p in ptrs:
             p.mem.flush()
-    return list(lane.KERNELS)
+    return list(lane.kernel_names(config))

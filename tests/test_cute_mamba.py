@@ -45,6 +45,18 @@ def test_the_widest_tiles_compile_with_the_estimated_shared_memory(target, compi
     assert target != "sm_121a" or res["smem_bytes"] <= GB10_SMEM, res["smem_bytes"]
 
 
+@pytest.mark.parametrize("target", ["sm_90a", "sm_121a"])
+def test_scan_prep_compiles_with_the_estimated_shared_memory(target, compiled):
+    """SCAN_PREP: Prep is one more kernel, with no shared buffers (its figure is the static part); the
+    scan that copies its operands keeps the scan's buffers."""
+    shape = space.get_shape("mamba_bwd_bwd", "h100_tuned")
+    cfg = {**lane.DEFAULTS, "SCAN_PREP": True}
+    res = compiled(lane, cfg, shape, target)
+    assert list(res["kernels"]) == list(lane.kernel_names(cfg)) == ["prep", *lane.KERNELS]
+    assert {k: v["smem_bytes"] for k, v in res["kernels"].items()} == lane.smem_kernels(cfg, shape, target)
+    assert res["stack"] <= 16, {k: v["stack"] for k, v in res["kernels"].items()}
+
+
 def test_what_it_cannot_take_is_refused():
     sh = space.get_shape("mamba_bwd_bwd", "gb10")
     assert "C*R=128" in lane.config_reason({}, {**sh, "C": 32})
@@ -57,20 +69,24 @@ def test_what_it_cannot_take_is_refused():
         lane.compile_for({}, {**sh, "C": 32}, "sm_90a")
 
 
+@pytest.mark.parametrize("prep", [False, True], ids=("split", "scan-prep"))
 @pytest.mark.parametrize("opts", [
     {"hasZ": True, "hasD": True, "reduceO": True, "dtype": "bfloat16"},
     {"hasZ": False, "hasD": False, "reduceO": False, "dtype": "float16", "G": 2},
 ])
-def test_every_argument_has_the_type_its_kernel_was_compiled_for(opts):
+def test_every_argument_has_the_type_its_kernel_was_compiled_for(opts, prep):
     """The run-time pointers of each kernel, as ``run`` passes them, against the element types its
     program was compiled with: a tensor in the wrong place or of the wrong type shows here."""
     shape = {"B": 1, "S": 32, "H": 2, "G": 1, "N": 64, "P": 32, "R": 4, "C": 8, "rd": 4, **opts}
     prob = MambaBwdBwd()
     inputs, outputs = prob.make_inputs(shape, "cpu", 0), prob.alloc_outputs(shape, "cpu")
-    work = lane.workspace(lane.DEFAULTS, shape, inputs["Q"].dtype, "cpu")
+    config = {**lane.DEFAULTS, "SCAN_PREP": prep}
+    work = lane.workspace(config, shape, inputs["Q"].dtype, "cpu")
     kinds = lane._kinds(shape)
     names = {torch.float32: "Float32", torch.bfloat16: "BFloat16", torch.float16: "Float16"}
-    for kernel, tensors in lane.arguments(inputs, outputs, work, shape).items():
+    args = lane.arguments(inputs, outputs, work, shape)
+    assert tuple(args) == lane.kernel_names(config)
+    for kernel, tensors in args.items():
         got = [names[t.dtype] for t in tensors]
         assert got == [k.__name__ for k in kinds[kernel]], kernel
         assert all(t.is_contiguous() for t in tensors), kernel
@@ -90,6 +106,10 @@ BODY_CASES = [
     pytest.param(_small(S=24, H=2, G=2, N=64, rd=2, hasZ=False, hasD=False, reduceO=False, dtype="float16"), {},
                  id="fp16-options-off-gqa-rd2-two-key-ctas"),
     pytest.param(_small(S=24, N=64, P=64, R=8, reduceO=False), WIDE, id="wide-tiles-r8-f64"),
+    # SCAN_PREP: the scan copies Prep's q_hat * exp(DA_CS) and dy tiles (two pair blocks at N = 64).
+    pytest.param(_small(B=2, S=24), {"SCAN_PREP": True}, id="bf16-scan-prep"),
+    pytest.param(_small(S=24, H=2, G=2, N=64, rd=2, hasZ=False, hasD=False, reduceO=False, dtype="float16"),
+                 {"SCAN_PREP": True}, id="fp16-options-off-gqa-scan-prep"),
 ]
 
 
@@ -99,7 +119,8 @@ def test_kernel_bodies_match_the_reference(shape, config):
     PROBLEM.check_shape(shape)
     assert lane.config_reason(config, shape) is None
     inputs, outputs = PROBLEM.make_inputs(shape, "cpu", 5), PROBLEM.alloc_outputs(shape, "cpu")
-    assert standin.run_lane(config, shape, inputs, outputs) == ["scan", "key", "value", "reduce"]
+    assert standin.run_lane(config, shape, inputs, outputs) == \
+        (["prep"] if config.get("SCAN_PREP") else []) + ["scan", "key", "value", "reduce"]
     ref = PROBLEM.reference(inputs, shape)
     tol, bands = PROBLEM.tolerance(shape), PROBLEM.output_tolerances(shape)
     ok, errors = parity.compare(outputs, ref, tol, bands)

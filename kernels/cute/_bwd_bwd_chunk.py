@@ -86,6 +86,11 @@ class Views:
         return cute.make_tensor(p, cute.make_layout((P, N, nc, H, self.B),
                                                     stride=(1, P, N * P, nc * N * P, H * nc * N * P)))
 
+    def ops(self, p, width):  # [B, H, nc, F, width] -> indexed [w, f, c, h, b]: the scan's operands QS, DY
+        F, nc, H = self.F, self.nc, self.H
+        return cute.make_tensor(p, cute.make_layout((width, F, nc, H, self.B),
+                                                    stride=(1, width, F * width, nc * F * width, H * nc * F * width)))
+
     def seg(self, p):         # [B, H, nc, C(t), C(s)] -> indexed [s, t, c, h, b]
         C, nc, H = self.C, self.nc, self.H
         return cute.make_tensor(p, cute.make_layout((C, C, nc, H, self.B),
@@ -252,6 +257,7 @@ class Key(Views):
         super().__init__(shape, shape["N"] // 2 // config["KEY_BJ"])
         self.BJ, self.BP = config["KEY_BJ"], config["KEY_BP"]
         self.unroll = config["UNROLL"]
+        self.prep = bool(config.get("SCAN_PREP", False))   # dy read from the scan's Prep (DY), not built
         self.M2 = 2 * self.BJ
         self.buffers = key_layout(config, shape)
 
@@ -259,13 +265,14 @@ class Key(Views):
     def __call__(self, q: cute.Pointer, k: cute.Pointer, qb: cute.Pointer, kb: cute.Pointer, v: cute.Pointer,
                  psi: cute.Pointer, ang: cute.Pointer, da: cute.Pointer, dar: cute.Pointer, dtp: cute.Pointer,
                  trap: cute.Pointer, seg: cute.Pointer, dout: cute.Pointer, phi: cute.Pointer, z: cute.Pointer,
-                 zeta: cute.Pointer, states: cute.Pointer, ds: cute.Pointer, dq: cute.Pointer, dk: cute.Pointer,
-                 dang: cute.Pointer, row_ws: cute.Pointer, dda_ws: cute.Pointer, stream: cuda.CUstream):
+                 zeta: cute.Pointer, dy: cute.Pointer, states: cute.Pointer, ds: cute.Pointer, dq: cute.Pointer,
+                 dk: cute.Pointer, dang: cute.Pointer, row_ws: cute.Pointer, dda_ws: cute.Pointer,
+                 stream: cuda.CUstream):
         t = (self.qk(q), self.qk(k), self.per_rank(qb, self.N), self.per_rank(kb, self.N),
              self.step_head(v, self.P), self.per_rank(psi, self.P), self.step_head(ang, self.nr),
              self.per_step(da), self.per_step(dar), self.per_step(dtp), self.per_step(trap), self.seg(seg),
              self.dout(dout), self.per_rank(phi, self.P), self.step_head(z, self.P), self.per_rank(zeta, self.P),
-             self.state(states), self.state(ds), self.out_rows(dq), self.out_rows(dk),
+             self.ops(dy, self.P), self.state(states), self.state(ds), self.out_rows(dq), self.out_rows(dk),
              self.step_head(dang, self.nr), self.row_ws(row_ws), self.chunk_ws(dda_ws, self.NBJ))
         self.storage = self.buffers.storage(self.dt)
         self.kernel(*t, wm.tiled(self.dt)).launch(grid=(self.nc * self.NBJ, self.H, self.B), block=[THREADS, 1, 1],
@@ -283,8 +290,8 @@ class Key(Views):
     def kernel(self, mq: cute.Tensor, mk: cute.Tensor, mqb: cute.Tensor, mkb: cute.Tensor, mv: cute.Tensor,
                mpsi: cute.Tensor, mang: cute.Tensor, mda: cute.Tensor, mdar: cute.Tensor, mdt: cute.Tensor,
                mtrap: cute.Tensor, mseg: cute.Tensor, mdo: cute.Tensor, mphi: cute.Tensor, mz: cute.Tensor,
-               mzeta: cute.Tensor, mst: cute.Tensor, mds: cute.Tensor, mdq: cute.Tensor, mdk: cute.Tensor,
-               mdang: cute.Tensor, mrows: cute.Tensor, mdda: cute.Tensor, tiled_mma: cute.TiledMma):
+               mzeta: cute.Tensor, mdy: cute.Tensor, mst: cute.Tensor, mds: cute.Tensor, mdq: cute.Tensor,
+               mdk: cute.Tensor, mdang: cute.Tensor, mrows: cute.Tensor, mdda: cute.Tensor, tiled_mma: cute.TiledMma):
         tid, _, _ = cute.arch.thread_idx()
         pid, h, b = cute.arch.block_idx()
         F, R, C, BJ, BP, M2, NH, dt = self.F, self.R, self.C, self.BJ, self.BP, self.M2, self.NH, self.dt
@@ -315,7 +322,10 @@ class Key(Views):
                 f, p, r, s = self.element(it, tid, BP, c)
                 pp = p0 + p
                 s_pv[f, p] = (mv[pp, h, s, b].to(F32) * mpsi[pp, r, h]).to(dt)
-                s_dy[f, p] = self.dy(mdo, mphi, mz, mzeta, pp, h, r, s, b).to(dt)
+                if cutlass.const_expr(self.prep):
+                    s_dy[f, p] = mdy[pp, f, c, h, b]
+                else:
+                    s_dy[f, p] = self.dy(mdo, mphi, mz, mzeta, pp, h, r, s, b).to(dt)
             for it in cutlass.range(M2 * BP // THREADS, unroll=self.unroll):
                 idx = it * THREADS + tid
                 m, p = idx // BP, idx % BP
@@ -442,13 +452,14 @@ class Value(Views):
         super().__init__(shape, shape["N"] // 2 // config["KEY_BJ"])
         self.BP = config["BLOCK_P"]
         self.unroll = config["UNROLL"]
+        self.prep = bool(config.get("SCAN_PREP", False))   # dy read from the scan's Prep (DY), not built
         self.buffers = value_layout(config, shape)
 
     @cute.jit
     def __call__(self, q: cute.Pointer, k: cute.Pointer, qb: cute.Pointer, kb: cute.Pointer, v: cute.Pointer,
                  psi: cute.Pointer, ang: cute.Pointer, dar: cute.Pointer, dtp: cute.Pointer, trap: cute.Pointer,
                  qkd: cute.Pointer, seg: cute.Pointer, dout: cute.Pointer, phi: cute.Pointer, z: cute.Pointer,
-                 zeta: cute.Pointer, dpar: cute.Pointer, ds: cute.Pointer, row_ws: cute.Pointer,
+                 zeta: cute.Pointer, dy: cute.Pointer, dpar: cute.Pointer, ds: cute.Pointer, row_ws: cute.Pointer,
                  dda_ws: cute.Pointer, dv: cute.Pointer, dfactor: cute.Pointer, dgamma: cute.Pointer,
                  ddda: cute.Pointer, dda_cs: cute.Pointer, dda_cs_rev: cute.Pointer, dssda: cute.Pointer,
                  dpsi_ws: cute.Pointer, dd_ws: cute.Pointer, stream: cuda.CUstream):
@@ -461,7 +472,8 @@ class Value(Views):
         t = (self.qk(q), self.qk(k), self.per_rank(qb, self.N), self.per_rank(kb, self.N),
              self.step_head(v, P), self.per_rank(psi, P), self.step_head(ang, self.nr), self.per_step(dar),
              self.per_step(dtp), self.per_step(trap), mqkd, self.seg(seg), self.dout(dout), self.per_rank(phi, P),
-             self.step_head(z, P), self.per_rank(zeta, P), mdpar, self.state(ds), self.row_ws(row_ws),
+             self.step_head(z, P), self.per_rank(zeta, P), self.ops(dy, P), mdpar, self.state(ds),
+             self.row_ws(row_ws),
              self.chunk_ws(dda_ws, self.NBJ), self.step_head(dv, P), self.per_step(dfactor), self.per_step(dgamma),
              self.per_step(ddda), self.per_step(dda_cs), self.per_step(dda_cs_rev), mssda, mdpsi,
              self.chunk_ws(dd_ws, 1))
@@ -472,7 +484,8 @@ class Value(Views):
     def kernel(self, mq: cute.Tensor, mk: cute.Tensor, mqb: cute.Tensor, mkb: cute.Tensor, mv: cute.Tensor,
                mpsi: cute.Tensor, mang: cute.Tensor, mdar: cute.Tensor, mdt: cute.Tensor, mtrap: cute.Tensor,
                mqkd: cute.Tensor, mseg: cute.Tensor, mdo: cute.Tensor, mphi: cute.Tensor, mz: cute.Tensor,
-               mzeta: cute.Tensor, mdpar: cute.Tensor, mds: cute.Tensor, mrows: cute.Tensor, mdda: cute.Tensor,
+               mzeta: cute.Tensor, mdy: cute.Tensor, mdpar: cute.Tensor, mds: cute.Tensor, mrows: cute.Tensor,
+               mdda: cute.Tensor,
                mdv: cute.Tensor, mdfactor: cute.Tensor, mdgamma: cute.Tensor, mddda: cute.Tensor,
                mdda_cs: cute.Tensor, mdda_cs_rev: cute.Tensor, mssda: cute.Tensor, mdpsi: cute.Tensor,
                mdd: cute.Tensor, tiled_mma: cute.TiledMma):
@@ -525,7 +538,11 @@ class Value(Views):
             for it in cutlass.range(F * BP // THREADS, unroll=self.unroll):
                 f, p, r, s = self.element(it, tid, BP, c)
                 pp = p0 + p
-                dy = self.dy(mdo, mphi, mz, mzeta, pp, h, r, s, b)
+                dy = F32(0.0)
+                if cutlass.const_expr(self.prep):   # the D terms then take dy rounded as the GEMMs do
+                    dy = mdy[pp, f, c, h, b].to(F32)
+                else:
+                    dy = self.dy(mdo, mphi, mz, mzeta, pp, h, r, s, b)
                 pv = mv[pp, h, s, b].to(F32) * mpsi[pp, r, h]
                 s_dy[f, p], s_pv[f, p] = dy.to(dt), pv.to(dt)
                 s_dp[f, p] = dpar * dy

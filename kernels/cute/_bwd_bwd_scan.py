@@ -15,6 +15,12 @@ multiply them with warp-level mma.sync m16n8k16 (ldmatrix, transposed for both o
 stored M-major and dy N-major, the orders the threads build them in). Warp MMA only, so the same code
 compiles for sm_90a and sm_120a / sm_121a.
 
+With SCAN_PREP a kernel before it, ``Prep`` (grid (nc, H, B), 128 threads), builds those operands of
+every chunk at once, off the serial chain: q_hat * exp(DA_CS) (QS [B, H, nc, F, N]) and dy (DY [B, H, nc,
+F, P]), input dtype; the scan's loop then copies its tiles of them into shared memory instead of
+computing cos / sin, the Z gate and exp per element on the chain (the cuTile lane's scan went from 8-10 to
+under 1 us a step with the same split: kernels/cutile/mamba_bwd_bwd.py, SCAN_PREP).
+
 API learned from this lab's kernels/cute/gemm.py (mma_sync path: TiledMma, LdMatrix partitions) and
 m2rnn_fwd.py (tensor indexing, fragments); the model is lab/problems/_mamba3.py. Sizes in bytes.
 """
@@ -59,20 +65,63 @@ def smem_bytes(config: dict, shape: dict, target: str) -> int:
     return 2 * F * (2 * config["SCAN_BJ"] + config["SCAN_BP"]) + static_smem(target)
 
 
+class Prep(chunk.Views):
+    """The scan's operands of every chunk (SCAN_PREP): QS = q_hat * exp(DA_CS) per fused row, DY = dy."""
+
+    def __init__(self, config: dict, shape: dict):
+        super().__init__(shape)
+        self.unroll = config["UNROLL"]
+
+    @cute.jit
+    def __call__(self, q: cute.Pointer, qb: cute.Pointer, ang: cute.Pointer, da: cute.Pointer,
+                 dout: cute.Pointer, phi: cute.Pointer, z: cute.Pointer, zeta: cute.Pointer,
+                 qs: cute.Pointer, dy: cute.Pointer, stream: cuda.CUstream):
+        P = self.P
+        t = (self.qk(q), self.per_rank(qb, self.N), self.step_head(ang, self.nr), self.per_step(da), self.dout(dout),
+             self.per_rank(phi, P), self.step_head(z, P), self.per_rank(zeta, P), self.ops(qs, self.N),
+             self.ops(dy, P))
+        self.kernel(*t).launch(grid=(self.nc, self.H, self.B), block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mq: cute.Tensor, mqb: cute.Tensor, mang: cute.Tensor, mda: cute.Tensor, mdo: cute.Tensor,
+               mphi: cute.Tensor, mz: cute.Tensor, mzeta: cute.Tensor, mqs: cute.Tensor, mdy: cute.Tensor):
+        tid, _, _ = cute.arch.thread_idx()
+        c, h, b = cute.arch.block_idx()
+        F, NH = self.F, self.NH
+        g = h // (self.H // self.G)
+        for it in cutlass.range(F * NH // THREADS, unroll=self.unroll):
+            f, n, r, s = self.element(it, tid, NH, c)
+            q_lo = mq[n, g, r, s, b].to(F32) + mqb[n, r, h]
+            q_hi = mq[NH + n, g, r, s, b].to(F32) + mqb[NH + n, r, h]
+            theta = F32(0.0)
+            if n < self.nr:
+                theta = mang[n, h, s, b]
+            cos = cute.math.cos(theta)
+            sin = cute.math.sin(theta)
+            e = cute.math.exp(mda[s, h, b])
+            mqs[n, f, c, h, b] = ((q_lo * cos - q_hi * sin) * e).to(self.dt)
+            mqs[NH + n, f, c, h, b] = ((q_lo * sin + q_hi * cos) * e).to(self.dt)
+        for it in cutlass.range(F * self.P // THREADS, unroll=self.unroll):
+            f, p, r, s = self.element(it, tid, self.P, c)
+            mdy[p, f, c, h, b] = self.dy(mdo, mphi, mz, mzeta, p, h, r, s, b).to(self.dt)
+
+
 class Scan(chunk.Views):
     def __init__(self, config: dict, shape: dict):
         super().__init__(shape)
         self.BJ, self.BP = config["SCAN_BJ"], config["SCAN_BP"]
         self.unroll = config["UNROLL"]
+        self.prep = bool(config.get("SCAN_PREP", False))
         self.M = 2 * self.BJ
 
     @cute.jit
     def __call__(self, q: cute.Pointer, qb: cute.Pointer, ang: cute.Pointer, da: cute.Pointer,
                  dout: cute.Pointer, phi: cute.Pointer, z: cute.Pointer, zeta: cute.Pointer,
-                 ds: cute.Pointer, stream: cuda.CUstream):
+                 qs: cute.Pointer, dy: cute.Pointer, ds: cute.Pointer, stream: cuda.CUstream):
         P = self.P
         t = (self.qk(q), self.per_rank(qb, self.N), self.step_head(ang, self.nr), self.per_step(da), self.dout(dout),
-             self.per_rank(phi, P), self.step_head(z, P), self.per_rank(zeta, P), self.state(ds))
+             self.per_rank(phi, P), self.step_head(z, P), self.per_rank(zeta, P), self.ops(qs, self.N),
+             self.ops(dy, P), self.state(ds))
         tiled_mma = wm.tiled(self.dt)
         a_layout = cute.make_layout((self.M, self.F), stride=(1, self.M))      # q_hat^T, M-major
         b_layout = cute.make_layout((self.BP, self.F), stride=(1, self.BP))    # dy as (N, K), N-major
@@ -89,8 +138,8 @@ class Scan(chunk.Views):
 
     @cute.kernel
     def kernel(self, mq: cute.Tensor, mqb: cute.Tensor, mang: cute.Tensor, mda: cute.Tensor, mdo: cute.Tensor,
-               mphi: cute.Tensor, mz: cute.Tensor, mzeta: cute.Tensor, mds: cute.Tensor, tiled_mma: cute.TiledMma,
-               a_layout: cute.Layout, b_layout: cute.Layout):
+               mphi: cute.Tensor, mz: cute.Tensor, mzeta: cute.Tensor, mqs: cute.Tensor, mdy: cute.Tensor,
+               mds: cute.Tensor, tiled_mma: cute.TiledMma, a_layout: cute.Layout, b_layout: cute.Layout):
         tid, _, _ = cute.arch.thread_idx()
         tile, h, b = cute.arch.block_idx()
         BJ, BP, F, C, NH, nr = self.BJ, self.BP, self.F, self.C, self.NH, self.nr
@@ -118,41 +167,50 @@ class Scan(chunk.Views):
                 tCgds[e] = acc[e].to(self.dt)
             a_last = cute.math.exp(mda[c * C + C - 1, h, b])
             cute.arch.sync_threads()      # the previous chunk's ldmatrix reads are done
-            for it in cutlass.range(F * BJ // THREADS, unroll=self.unroll):
-                f, j, r, s = self.element(it, tid, BJ, c)
-                n = j0 + j
-                q_lo = mq[n, g, r, s, b].to(F32) + mqb[n, r, h]
-                q_hi = mq[NH + n, g, r, s, b].to(F32) + mqb[NH + n, r, h]
-                theta = F32(0.0)
-                if n < nr:
-                    theta = mang[n, h, s, b]
-                cos = cute.math.cos(theta)
-                sin = cute.math.sin(theta)
-                sA[j, f] = (q_lo * cos - q_hi * sin).to(self.dt)
-                sA[BJ + j, f] = (q_lo * sin + q_hi * cos).to(self.dt)
-            for it in cutlass.range(F * BP // THREADS, unroll=self.unroll):
-                f, p, r, s = self.element(it, tid, BP, c)
-                pp = p0 + p
-                d = self.dy(mdo, mphi, mz, mzeta, pp, h, r, s, b)
-                sB[p, f] = (d * cute.math.exp(mda[s, h, b])).to(self.dt)
+            if cutlass.const_expr(self.prep):
+                for it in cutlass.range(F * BJ // THREADS, unroll=self.unroll):
+                    f, j, r, s = self.element(it, tid, BJ, c)
+                    sA[j, f] = mqs[j0 + j, f, c, h, b]
+                    sA[BJ + j, f] = mqs[NH + j0 + j, f, c, h, b]
+                for it in cutlass.range(F * BP // THREADS, unroll=self.unroll):
+                    f, p, r, s = self.element(it, tid, BP, c)
+                    sB[p, f] = mdy[p0 + p, f, c, h, b]
+            else:
+                for it in cutlass.range(F * BJ // THREADS, unroll=self.unroll):
+                    f, j, r, s = self.element(it, tid, BJ, c)
+                    n = j0 + j
+                    q_lo = mq[n, g, r, s, b].to(F32) + mqb[n, r, h]
+                    q_hi = mq[NH + n, g, r, s, b].to(F32) + mqb[NH + n, r, h]
+                    theta = F32(0.0)
+                    if n < nr:
+                        theta = mang[n, h, s, b]
+                    cos = cute.math.cos(theta)
+                    sin = cute.math.sin(theta)
+                    sA[j, f] = (q_lo * cos - q_hi * sin).to(self.dt)
+                    sA[BJ + j, f] = (q_lo * sin + q_hi * cos).to(self.dt)
+                for it in cutlass.range(F * BP // THREADS, unroll=self.unroll):
+                    f, p, r, s = self.element(it, tid, BP, c)
+                    pp = p0 + p
+                    d = self.dy(mdo, mphi, mz, mzeta, pp, h, r, s, b)
+                    sB[p, f] = (d * cute.math.exp(mda[s, h, b])).to(self.dt)
             cute.arch.sync_threads()
             acc.store(acc.load() * a_last)
             wm.mma_ss(tiled_mma, tid, acc, sA, sB, True, True, self.dt)   # q_hat^T M-major, dy N-major
 
 
-def arg_kinds(shape: dict) -> tuple:
-    """Element types of the pointer arguments: q, qb, ang, da, dout, phi, z, zeta, ds."""
+def arg_kinds(shape: dict, kernel: str = "scan") -> tuple:
+    """Element types of the pointer arguments: q, qb, ang, da, dout, phi, z, zeta, qs, dy (and ds: the scan)."""
     dt = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[shape["dtype"]]
-    return (dt, F32, F32, F32, dt, F32, dt, F32, dt)
+    return (dt, F32, F32, F32, dt, F32, dt, F32, dt, dt) + ((dt,) if kernel == "scan" else ())
 
 
-def _compile(config: dict, shape: dict, target: str, options: str):
+def _compile(config: dict, shape: dict, target: str, options: str, kernel: str = "scan"):
     from cutlass.cute.runtime import make_ptr
     from cutlass.cute.typing import AddressSpace
     from cutlass.runtime import make_fake_stream
-    ptrs = [make_ptr(k, 0, AddressSpace.gmem, assumed_align=16) for k in arg_kinds(shape)]
-    return cute.compile(Scan(config, shape), *ptrs, make_fake_stream(),
-                        options=f"--gpu-arch {target} {options}".strip())
+    ptrs = [make_ptr(k, 0, AddressSpace.gmem, assumed_align=16) for k in arg_kinds(shape, kernel)]
+    program = Scan(config, shape) if kernel == "scan" else Prep(config, shape)
+    return cute.compile(program, *ptrs, make_fake_stream(), options=f"--gpu-arch {target} {options}".strip())
 
 
 def compile_for(config: dict, shape: dict, target: str) -> dict:

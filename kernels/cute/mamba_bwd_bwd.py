@@ -1,7 +1,11 @@
 """CuTe DSL lane for mamba_bwd_bwd (the Mamba-3 MIMO backward kernel "bwd_bwd"): four kernels, the
 Triton lane's decomposition (kernels/triton/mamba_bwd_bwd.py), every product on warp-level mma.sync.
 
-1. dS scan (kernels/cute/_bwd_bwd_scan.py): grid (tiles of dS, H, B), chunks last to first.
+1. dS scan (kernels/cute/_bwd_bwd_scan.py): grid (tiles of dS, H, B), chunks last to first. With
+   SCAN_PREP a kernel before it (Prep, grid (nc, H, B)) writes its operands of every chunk, q_hat *
+   exp(DA_CS) and dy (QS [B, H, nc, C*R, N], DY [B, H, nc, C*R, P], input dtype), and the scan only
+   copies them into shared memory; the chunk kernels' P loops copy DY too instead of building dy (the
+   value side's D terms, DD and D dy in DV, then take dy rounded to the input dtype).
 2. Key side (kernels/cute/_bwd_bwd_chunk.py, Key): grid (nc * N/2/KEY_BJ, H, B): DQ, DK, DANGLES of
    KEY_BJ rotary pairs and the pairs' parts of the row sums over N and of DDA.
 3. Value side (Value): grid (nc, H, B): DV, DSSDA, DGAMMA_DIAG, the per-step sums, DMIMO_V / DD parts.
@@ -22,6 +26,8 @@ Tunables (values in sweeps/mamba_bwd_bwd/cute.toml):
   UNROLL             unroll factor of the loops in which the 128 threads build shared-memory operands
                      from global memory (each iteration loads and converts one element per thread):
                      the global loads in flight per thread, against registers
+  SCAN_PREP          the scan's operands built by Prep first, off its serial chain, and dy read by the
+                     chunk kernels from them (above)
 Shared memory per CTA (bytes) is what each kernel's buffers take (smem_kernels); the largest is the
 lane's figure. Every kernel runs 128 threads.
 """
@@ -41,8 +47,8 @@ from lab.problems import _mamba3 as m3
 
 DSL = "cute"
 KERNEL = "mamba_bwd_bwd"
-TUNABLES = ("SCAN_BJ", "SCAN_BP", "KEY_BJ", "KEY_BP", "BLOCK_P", "UNROLL")
-DEFAULTS = {"SCAN_BJ": 16, "SCAN_BP": 32, "KEY_BJ": 16, "KEY_BP": 32, "BLOCK_P": 32, "UNROLL": 2}
+TUNABLES = ("SCAN_BJ", "SCAN_BP", "KEY_BJ", "KEY_BP", "BLOCK_P", "UNROLL", "SCAN_PREP")
+DEFAULTS = {"SCAN_BJ": 16, "SCAN_BP": 32, "KEY_BJ": 16, "KEY_BP": 32, "BLOCK_P": 32, "UNROLL": 2, "SCAN_PREP": False}
 TARGETS = scan.TARGETS
 F32 = cutlass.Float32
 _DT = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -83,14 +89,15 @@ def smem_kernels(config: dict, shape: dict, target: str) -> dict:
     """Shared memory per CTA of each kernel, bytes: its buffers (128-byte aligned) plus the static part."""
     c = {**DEFAULTS, **config}
     static = static_smem(target)
-    return {"scan": scan.smem_bytes(c, shape, target),
+    return {**({"prep": static} if c["SCAN_PREP"] else {}),
+            "scan": scan.smem_bytes(c, shape, target),
             "key": chunk.key_layout(c, shape).nbytes() + static,
             "value": chunk.value_layout(c, shape).nbytes() + static,
             "reduce": static}
 
 
 def smem_estimate(config: dict, shape: dict, target: str) -> int:
-    """The largest of the four kernels' shared memory per CTA, bytes (equal to the compiled figure:
+    """The largest of the kernels' shared memory per CTA, bytes (equal to the compiled figure:
     tests/test_cute_mamba.py)."""
     return max(smem_kernels(config, shape, target).values())
 
@@ -108,9 +115,10 @@ def _ptrs(kinds) -> list:
 def _kinds(shape: dict) -> dict:
     """Element types of each kernel's pointer arguments, in the order of ``arguments``."""
     e, f, bf = _DT[shape["dtype"]], F32, cutlass.BFloat16
-    key = (e, e, f, f, e, f, f, f, f, f, e, f, e, f, e, f, bf, e, e, e, f, f, f)
-    value = (e, e, f, f, e, f, f, f, f, e, e, f, e, f, e, f, f, e, f, f, e, f, f, f, f, f, f, f, f)
-    return {"scan": scan.arg_kinds(shape), "key": key, "value": value, "reduce": (f, f, f, f)}
+    key = (e, e, f, f, e, f, f, f, f, f, e, f, e, f, e, f, e, bf, e, e, e, f, f, f)
+    value = (e, e, f, f, e, f, f, f, f, e, e, f, e, f, e, f, e, f, e, f, f, e, f, f, f, f, f, f, f, f)
+    return {"prep": scan.arg_kinds(shape, "prep"), "scan": scan.arg_kinds(shape), "key": key, "value": value,
+            "reduce": (f, f, f, f)}
 
 
 def _program(name: str, config: dict, shape: dict):
@@ -123,13 +131,18 @@ def _program(name: str, config: dict, shape: dict):
 
 def _compile(name: str, config: dict, shape: dict, target: str, options: str):
     from cutlass.runtime import make_fake_stream
-    if name == "scan":
-        return scan._compile(config, shape, target, options)
+    if name in ("prep", "scan"):
+        return scan._compile(config, shape, target, options, name)
     return cute.compile(_program(name, config, shape), *_ptrs(_kinds(shape)[name]), make_fake_stream(),
                         options=f"--gpu-arch {target} {options}".strip())
 
 
 KERNELS = ("scan", "key", "value", "reduce")
+
+
+def kernel_names(config: dict) -> tuple:
+    """The kernels a config launches, in order (Prep first with SCAN_PREP)."""
+    return (("prep",) if {**DEFAULTS, **config}["SCAN_PREP"] else ()) + KERNELS
 
 
 def _refuse(config: dict, shape: dict, target: str) -> dict:
@@ -140,11 +153,11 @@ def _refuse(config: dict, shape: dict, target: str) -> dict:
     return config
 
 
-def compile_for(config: dict, shape: dict, target: str, kernels=KERNELS) -> dict:
+def compile_for(config: dict, shape: dict, target: str, kernels=None) -> dict:
     """The kernels for ``target`` (no GPU); smem_bytes / registers / stack are the largest of them."""
     config = _refuse(config, shape, target)
     per = {}
-    for name in kernels:
+    for name in kernels or kernel_names(config):
         _, per[name] = _aot.compile_with_resources(lambda opts, n=name: _compile(n, config, shape, target, opts),
                                                    f"cute_bwd_{name}_{target}_", target)
     return {"smem_bytes": max(v["smem_bytes"] for v in per.values()),
@@ -158,25 +171,33 @@ def compile_for(config: dict, shape: dict, target: str, kernels=KERNELS) -> dict
 
 
 def workspace(config: dict, shape: dict, dtype, device) -> dict:
-    """The lane's intermediate buffers: dS (input dtype) and fp32 partials."""
+    """The lane's intermediate buffers: dS (input dtype), fp32 partials and, with SCAN_PREP, the scan's
+    operands QS and DY (input dtype)."""
     B, S, H, G, N, P, R, C, nc, nr = m3.dims(shape)
+    config = {**DEFAULTS, **config}
     nbj, f32 = N // 2 // config["KEY_BJ"], {"dtype": torch.float32, "device": device}
+    prep = {"qs": torch.empty(B, H, nc, C * R, N, dtype=dtype, device=device),
+            "dy": torch.empty(B, H, nc, C * R, P, dtype=dtype, device=device)} if config["SCAN_PREP"] else {}
     return {"ds": torch.empty(B, H, nc, N, P, dtype=dtype, device=device), "dda": torch.empty(B, H, nc, nbj, **f32),
             "rows": torch.empty(B, H, nc, nbj, 3, C * R, **f32), "dpsi": torch.empty(B, H, nc, R, P, **f32),
-            "dd": torch.empty(B, H, nc, **f32), "dd_out": torch.empty(B, H, **f32)}
+            "dd": torch.empty(B, H, nc, **f32), "dd_out": torch.empty(B, H, **f32), **prep}
 
 
 def arguments(inputs: dict, outputs: dict, work: dict, shape: dict) -> dict:
-    """Each kernel's tensor arguments, in order (their dtypes are _kinds')."""
+    """Each kernel's tensor arguments, in order (their dtypes are _kinds'); "prep" only where the work
+    holds its outputs (SCAN_PREP)."""
     i, o, w = inputs, outputs, work
     z, zeta = (i["Z"], i["MIMO_Z"]) if shape["hasZ"] else (i["V"], i["MIMO_V"])   # not read without Z
     dpar = i["D"] if shape["hasD"] else i["MIMO_V"]                                 # not read without D
-    return {"scan": (i["Q"], i["Q_BIAS"], i["ANGLES"], i["DA_CS"], i["DOUT"], i["MIMO_O"], z, zeta, w["ds"]),
+    scan_in = (i["Q"], i["Q_BIAS"], i["ANGLES"], i["DA_CS"], i["DOUT"], i["MIMO_O"], z, zeta)
+    qs, dy = (w["qs"], w["dy"]) if "qs" in w else (w["ds"], w["ds"])               # not read without SCAN_PREP
+    return {**({"prep": scan_in + (qs, dy)} if "qs" in w else {}),
+            "scan": scan_in + (qs, dy, w["ds"]),
             "key": (i["Q"], i["K"], i["Q_BIAS"], i["K_BIAS"], i["V"], i["MIMO_V"], i["ANGLES"], i["DA_CS"],
-                    i["DA_CS_REV"], i["DT"], i["TRAP"], i["SEGSUM"], i["DOUT"], i["MIMO_O"], z, zeta, i["STATES"],
-                    w["ds"], o["DQ"], o["DK"], o["DANGLES"], w["rows"], w["dda"]),
+                    i["DA_CS_REV"], i["DT"], i["TRAP"], i["SEGSUM"], i["DOUT"], i["MIMO_O"], z, zeta, dy,
+                    i["STATES"], w["ds"], o["DQ"], o["DK"], o["DANGLES"], w["rows"], w["dda"]),
             "value": (i["Q"], i["K"], i["Q_BIAS"], i["K_BIAS"], i["V"], i["MIMO_V"], i["ANGLES"], i["DA_CS_REV"],
-                      i["DT"], i["TRAP"], i["QK_DOT"], i["SEGSUM"], i["DOUT"], i["MIMO_O"], z, zeta, dpar, w["ds"],
+                      i["DT"], i["TRAP"], i["QK_DOT"], i["SEGSUM"], i["DOUT"], i["MIMO_O"], z, zeta, dy, dpar, w["ds"],
                       w["rows"], w["dda"], o["DV"], o["DFACTOR"], o["DGAMMA_DIAG"], o["DDA"], o["DDA_CS"],
                       o["DDA_CS_REV"], o["DSSDA"], w["dpsi"], w["dd"]),
             "reduce": (w["dpsi"], w["dd"], o["DMIMO_V"], o["DD"] if shape["hasD"] else w["dd_out"])}
@@ -203,20 +224,20 @@ def launchers(config: dict, shape: dict) -> dict:
             tensors = arguments(inputs, outputs, work, shape)[name]
             fn(*(ptr(t) for t in tensors), cuda.CUstream(torch.cuda.current_stream().cuda_stream))
         return launch
-    return {name: launcher(name) for name in KERNELS}
+    return {name: launcher(name) for name in kernel_names(config)}
 
 
 def build(config: dict, shape: dict):
     config = {**DEFAULTS, **config}
     launch = launchers(config, shape)
-    info = {"smem_bytes": smem_estimate(config, shape, _targets.device_target()), "kernels": list(KERNELS)}
+    info = {"smem_bytes": smem_estimate(config, shape, _targets.device_target()), "kernels": list(kernel_names(config))}
     work: dict = {}
 
     def run(inputs, outputs):
         dev = inputs["Q"].device
         if work.get("dev") != dev:
             work.update(workspace(config, shape, inputs["Q"].dtype, dev), dev=dev)
-        for name in KERNELS:
+        for name in kernel_names(config):
             launch[name](inputs, outputs, work)
         return info
     return run
