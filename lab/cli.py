@@ -121,8 +121,14 @@ def cmd_sweep(args) -> int:
     seeds = {}
     if args.seed_best:
         from lab import report, results
-        seeds = {k: [cfg] for k, cfg in report.headline_configs(results.load(args.results), args.kernel, args.device,
-                                                                args.emulate).items()}
+        rows = results.load(args.results)
+        best = report.headline_configs(rows, args.kernel, args.device, args.emulate)
+        if args.seed_from:
+            get_profile(args.seed_from)
+            best = report.headline_configs(rows, args.kernel, args.seed_from, False) | best
+        seeds = {k: [cfg] for k, cfg in best.items()}
+    elif args.seed_from:
+        raise LabError("--seed-from needs --seed-best")
     req = sweep.SweepRequest(
         kernel=args.kernel, device=args.device, dsls=dsls, shapes=args.shape or None, trials=args.trials,
         timeout_s=args.timeout, sampler=args.sampler, seed=args.seed, storage=args.storage, emulate=args.emulate,
@@ -272,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure each lane's best committed config (the report's headline row) first, where its "
                         "study lacks it; --trials then counts new configs after it (0: none), so that "
                         "--trials 0 --seed-best A/B-confirms every lane's best in one run")
+    s.add_argument("--seed-from", metavar="PROFILE",
+                   help="with --seed-best: where the requested device has no best of a lane at a shape, take "
+                        "PROFILE's native best (a first sweep on a new GPU starts from another GPU's bests)")
     s.add_argument("--no-progress", action="store_true")
     s.add_argument("--gpus", help="all, or a comma list of GPU indices: one worker per GPU on the same study")
     s.add_argument("--precision", help="fix the sweep files' [precision.NAME] table (e.g. exact: IEEE products, "

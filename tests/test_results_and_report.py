@@ -378,3 +378,17 @@ def test_headline_configs_and_sweep_seed_best(tmp_path, monkeypatch, capsys):
     assert cli.main(["sweep", "gemm", "--device", "h100", "--dsl", "triton", "--shape", s,
                      "--results", str(tmp_path)]) == 0
     assert got["req"].seeds == {} and not got["req"].new_trials
+    # --seed-from: another profile's native best where the requested one has none (gb10 native has none)
+    assert cli.main(["sweep", "gemm", "--device", "gb10", "--dsl", "triton", "--shape", s, "--trials", "0",
+                     "--seed-best", "--seed-from", "h100", "--results", str(tmp_path)]) == 0
+    assert got["req"].seeds == {("triton", s): [{"BLOCK_M": 64}]}
+    # ... and the requested profile's own best where it has one
+    assert cli.main(["sweep", "gemm", "--device", "gb10", "--emulate", "--dsl", "triton", "--shape", s, "--trials",
+                     "0", "--seed-best", "--seed-from", "h100", "--results", str(tmp_path)]) == 0
+    assert got["req"].seeds == {("triton", s): [{"BLOCK_M": 32}]}
+    assert cli.main(["sweep", "gemm", "--device", "gb10", "--shape", s, "--seed-from", "h100",
+                     "--results", str(tmp_path)]) == 2
+    assert "--seed-from needs --seed-best" in capsys.readouterr().err
+    assert cli.main(["sweep", "gemm", "--device", "gb10", "--shape", s, "--seed-best", "--seed-from", "h300",
+                     "--results", str(tmp_path)]) == 2
+    assert "unknown device 'h300'" in capsys.readouterr().err
