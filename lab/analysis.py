@@ -15,7 +15,7 @@ import pandas as pd
 
 from lab import report
 
-DEVICE = ["requested_profile", "emulated"]
+DEVICE = ["requested_profile", "emulated", "actual_gpu"]   # the GPU too: see lab/report.py GROUP
 SHAPE = DEVICE + ["kernel", "shape"]
 
 
@@ -83,17 +83,18 @@ def device_comparison(df: pd.DataFrame, native: str = "h100", emulated: str = "g
     """Per (kernel, shape, dsl) with a headline on both: the ``native`` device's (not emulated) and the
     ``emulated`` device's (rows marked emulated) best median (ms) and config, ``changes`` (the config keys
     that differ, "key a->b"), each DSL's rank at that shape on each device (1 = fastest) and ``slowdown`` =
-    emulated ms / native ms (the cost of the emulated device's envelope, timed on the native GPU)."""
+    emulated ms / native ms (the cost of the emulated device's envelope, timed on the native GPU: emulated
+    rows from another GPU are left out)."""
     cols = ["kernel", "shape", "dsl", "native_ms", "emulated_ms", "slowdown", "native_rank", "emulated_rank",
             "config_changed", "changes", "native_config", "emulated_config"]
     h = headline(df)
     if h.empty:
         return _empty(cols)
     h = h.assign(rank=h.groupby(SHAPE)["head_ms"].rank(method="min"))
-    keep = ["kernel", "shape", "dsl", "head_ms", "rank", "config_json"]
+    keep = ["kernel", "shape", "dsl", "actual_gpu", "head_ms", "rank", "config_json"]
     nat = h[(h["requested_profile"] == native) & (h["emulated"] != True)][keep]  # noqa: E712
     emu = h[(h["requested_profile"] == emulated) & (h["emulated"] == True)][keep]  # noqa: E712
-    m = nat.merge(emu, on=["kernel", "shape", "dsl"], suffixes=("_n", "_e"))
+    m = nat.merge(emu, on=["kernel", "shape", "dsl", "actual_gpu"], suffixes=("_n", "_e"))
     if m.empty:
         return _empty(cols)
     out = pd.DataFrame({

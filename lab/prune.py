@@ -57,7 +57,8 @@ def defaults_at(path: str, commit: str) -> dict:
 def _measured(df: pd.DataFrame, kernel: str, dsl: str) -> pd.DataFrame:
     ok = df[(df["kernel"] == kernel) & (df["dsl"] == dsl) & (df["status"] == "ok")
             & ~df["compile_only"].astype(bool) & df["time_ms"].notna()].copy()
-    ok["group"] = (ok["requested_profile"].astype(str) + ok["emulated"].map(lambda e: " (emulated)" if e else "")
+    ok["group"] = (ok["requested_profile"].astype(str)
+                   + [f" (emulated on {g})" if e else "" for e, g in zip(ok["emulated"], ok["actual_gpu"])]
                    + " " + ok["shape"].astype(str))
     ok["lane_best"] = ok.groupby("group")["time_ms"].transform("min")
     ok["ratio"] = ok["time_ms"] / ok["lane_best"]

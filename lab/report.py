@@ -1,6 +1,6 @@
 """Markdown summary and PNG plots from result tables (``python -m lab report results/``).
 
-Per (requested device, emulated, kernel, shape): one row per DSL with its median time (ms), IQR,
+Per (requested device, emulated, GPU that ran, kernel, shape): one row per DSL with its median time (ms), IQR,
 TFLOP/s, % of the running device's peak, SMEM (bytes), and the ratio to a reference lane: the
 baseline lane when it is a library a user would pick (cuBLAS for GEMM), else (the lane declares
 ``BASELINE_KIND = "reference"``, see lab/registry.py, or there is no baseline) the fastest lane at
@@ -22,7 +22,9 @@ import pandas as pd
 from lab import registry
 from lab.results import load
 
-GROUP = ["requested_profile", "emulated", "kernel", "shape"]
+# The GPU is part of the group: a profile emulated on two GPUs (GB10 on an H100, later on an H200) gives two
+# tables, so that no ratio sets one GPU's timing against another's.
+GROUP = ["requested_profile", "emulated", "actual_gpu", "kernel", "shape"]
 KEYS = GROUP + ["dsl"]
 CONFIRM_COLS = {"time_ms": "confirm_ms", "time_q1_ms": "confirm_q1_ms", "time_q3_ms": "confirm_q3_ms",
                 "time_ci_half_ms": "confirm_ci_half_ms", "samples": "confirm_n", "run_id": "confirm_run"}
@@ -46,9 +48,9 @@ def compile_only_mask(df: pd.DataFrame) -> pd.Series:
 
 
 def best_per_dsl(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per (device, emulated, kernel, shape, dsl) of the timed runs: the config to show.
+    """One row per (device, emulated, GPU, kernel, shape, dsl) of the timed runs: the config to show.
 
-    Candidate rows of each (device, emulated, kernel, shape, dsl): its ok sweep and confirm rows of the
+    Candidate rows of each (device, emulated, GPU, kernel, shape, dsl): its ok sweep and confirm rows of the
     checkout's lane code and toolchain (``gate.Freshness``) where it has any, else all its ok rows;
     ``fresh`` says which. From the candidates: the best A/B confirm (lowest confirm median; phase=confirm)
     gives the timings (confirm_*, ms) unless a later sweep superseded it (``lab.headline``), and the
@@ -58,7 +60,7 @@ def best_per_dsl(df: pd.DataFrame) -> pd.DataFrame:
     standing confirm among its candidates shows its best sweep trial (confirm_* NaN). ``sweep_best_ms`` is
     the lowest sweep median among the candidates (NaN if none)."""
     from lab import gate, headline
-    timed = df[~compile_only_mask(df)]
+    timed = _with_gpu(df[~compile_only_mask(df)])
     ok = timed[(timed["status"] == "ok") & timed["time_ms"].notna() & timed["phase"].isin(("sweep", "confirm"))]
     empty = {"sweep_best_ms": pd.Series(dtype=float), "fresh": pd.Series(dtype=bool)} \
         | {v: pd.Series(dtype=float) for v in CONFIRM_COLS.values()}
@@ -86,12 +88,16 @@ def best_per_dsl(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def headline_configs(df: pd.DataFrame, kernel: str, device: str, emulated: bool) -> dict[tuple[str, str], dict]:
+def headline_configs(df: pd.DataFrame, kernel: str, device: str, emulated: bool,
+                     gpu: str | None = None) -> dict[tuple[str, str], dict]:
     """{(dsl, shape): config} of the report's headline row of each tuned lane of ``kernel`` on the requested
-    ``device`` profile (native or emulated): what ``sweep --seed-best`` measures first."""
+    ``device`` profile (native or emulated), timed on ``gpu`` (a torch device name) where given, else on
+    any GPU (the fastest headline where several GPUs ran it): what ``sweep --seed-best`` measures first."""
     if df.empty:
         return {}
     df = df[(df["kernel"] == kernel) & (df["requested_profile"] == device) & (df["emulated"] == bool(emulated))]
+    if gpu is not None:
+        df = df[df["actual_gpu"] == gpu]
     best = best_per_dsl(df)
     return {(r["dsl"], r["shape"]): json.loads(r["config_json"] or "{}")
             for _, r in best.iterrows() if not bool(r["baseline"])}
@@ -194,16 +200,15 @@ def markdown(df: pd.DataFrame) -> str:
     for rid, r in runs.iterrows():
         lines.append(f"| {rid} | {r.time} | {r.req} | {r.gpu} | {_mode(r)} | {str(r.commit)[:10]} | {r.rows} |")
     lines.append("")
-    timed = df[~compile_only_mask(df)]
+    timed = _with_gpu(df[~compile_only_mask(df)])
     best = with_ratios(best_per_dsl(timed))
-    for (dev, emu, kernel), g in timed.groupby(["requested_profile", "emulated", "kernel"]):
-        lines += _device_section(dev, emu, kernel, g, best)
+    for (dev, emu, gpu, kernel), g in timed.groupby(["requested_profile", "emulated", "actual_gpu", "kernel"]):
+        lines += _device_section(dev, emu, gpu, kernel, g, best)
     lines += _compile_only_section(compile_summary(df))
     return "\n".join(lines) + "\n"
 
 
-def _device_section(dev, emu, kernel, g: pd.DataFrame, best: pd.DataFrame) -> list[str]:
-    gpu = ", ".join(sorted(set(g["actual_gpu"].dropna())))
+def _device_section(dev, emu, gpu, kernel, g: pd.DataFrame, best: pd.DataFrame) -> list[str]:
     lines = [f"## {kernel} on {dev}" + (f" (EMULATED on {gpu})" if emu else f" ({gpu})"), ""]
     if emu:
         lines += [f"Configs limited to the {dev} envelope (preflight for {g['preflight_target'].iloc[0]}); "
@@ -216,7 +221,8 @@ def _device_section(dev, emu, kernel, g: pd.DataFrame, best: pd.DataFrame) -> li
                       f"{gpu} than the {dev} limit ({', '.join(sorted(set(over['dsl'])))}): the same config "
                       f"compiles differently per target, so these timings are not {dev} timings.", ""]
     counts = g[g["phase"] == "sweep"].groupby(["shape", "dsl", "status"]).size().unstack(fill_value=0)
-    b = best[(best["requested_profile"] == dev) & (best["emulated"] == emu) & (best["kernel"] == kernel)]
+    b = best[(best["requested_profile"] == dev) & (best["emulated"] == emu) & (best["actual_gpu"] == gpu)
+             & (best["kernel"] == kernel)]
     for shape, gs in g.groupby("shape"):
         lines += _shape_table(shape, gs, b[b["shape"] == shape], counts)
     return lines
@@ -340,6 +346,18 @@ def _worst_parity(gs: pd.DataFrame) -> list[str]:
     return lines
 
 
+def _with_gpu(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with ``actual_gpu`` filled ("unknown GPU"), so that grouping by it drops no row."""
+    return df.assign(actual_gpu=df["actual_gpu"].fillna("unknown GPU")) if "actual_gpu" in df else df
+
+
+def _gpu_tag(gpu: str) -> str:
+    """A short name for a GPU in file names: its profile (h100, h200), else its name in lower case, '_' for
+    anything but letters and digits."""
+    from lab.devices import match_profile
+    return match_profile(gpu) or "".join(c if c.isalnum() else "_" for c in gpu.lower())
+
+
 def plots(df: pd.DataFrame, out: Path) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")
@@ -349,8 +367,10 @@ def plots(df: pd.DataFrame, out: Path) -> list[Path]:
     files = []
     if best.empty:
         return files
-    for (dev, emu, kernel), g in best.groupby(["requested_profile", "emulated", "kernel"]):
-        tag = f"{kernel}_{dev}" + ("_emulated" if emu else "")
+    for (dev, emu, gpu, kernel), g in best.groupby(["requested_profile", "emulated", "actual_gpu", "kernel"]):
+        # emulated: named by the GPU that ran it too (e.g. gb10_emulated_on_h200)
+        on = _gpu_tag(gpu)
+        tag = f"{kernel}_{dev}" + (f"_emulated_on_{on}" if emu else "")
         shapes = list(dict.fromkeys(g["shape"]))
         dsls = sorted(set(g["dsl"]))
         vs = "baseline (>1 faster)" if set(g["ratio_kind"]) == {"baseline"} else "fastest lane (1 = fastest)"
@@ -369,7 +389,7 @@ def plots(df: pd.DataFrame, out: Path) -> list[Path]:
             ax.set_xticks([x + width * (len(dsls) - 1) / 2 for x in range(len(shapes))])
             ax.set_xticklabels(shapes, rotation=20, ha="right")
             ax.set_ylabel(ylabel)
-            ax.set_title(f"{kernel} on {dev}" + (" (emulated)" if emu else ""))
+            ax.set_title(f"{kernel} on {dev}" + (f" (emulated on {gpu})" if emu else ""))
             ax.legend()
             fig.tight_layout()
             path = out / f"{tag}_{name}.png"
