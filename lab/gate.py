@@ -25,6 +25,7 @@ import pandas as pd
 import lab
 from lab import identity, problems, registry, space
 from lab.devices import LabError, PROFILES, get_profile
+from lab.results import NOT_RUN_PHASES
 
 # Row version keys that are not toolchain pins (identity, harness, the image's own builds).
 _NOT_PINNED = {"lab", "lane_sha", "lane_code", "lane_files", "lane_hash", "python", "torch", "cuda", "cublas"}
@@ -304,8 +305,8 @@ def _unjudged(rows: pd.DataFrame, changes: RowChanges, no_bar: frozenset) -> lis
 def _evaluate(entry: Entry, rows: pd.DataFrame, module: str, current: dict, pins: dict,
               unmeasured: list[str] = (), cross_precision: frozenset = frozenset(),
               no_bar: frozenset | None = None) -> None:
-    """``unmeasured``: default shapes of a required entry that no row of this lane and device names (not
-    even a refusal): the entry is stale at them, as a lane measured at one shape is not fresh at four.
+    """``unmeasured``: default shapes of a required entry where this lane and device have no ok row and no
+    refusal of the whole lane: the entry is stale at them, as a lane measured at one shape is not fresh at four.
     ``no_bar``: the indices of rows that are no A/B bar (``emulated_misfits``); None: no A/B expected
     (a reference lane), so no shape is listed as unjudged."""
     if rows.empty:
@@ -340,7 +341,7 @@ def _evaluate(entry: Entry, rows: pd.DataFrame, module: str, current: dict, pins
     if entry.stale_shapes:
         entry.changes.append(f"shapes {', '.join(entry.stale_shapes)}")
     if missing:
-        entry.changes.append(f"default shapes never measured {', '.join(missing)}")
+        entry.changes.append(f"default shapes with no ok row {', '.join(missing)}")
         entry.stale_shapes = sorted(entry.stale_shapes + missing)
 
 
@@ -413,8 +414,13 @@ def evaluate(df: pd.DataFrame, devices: list[str] | None = None, base: str | Non
                 keys = {k for v in mine["versions_json"] for k in json.loads(v or "{}")} - _NOT_PINNED
                 e.touched = diff.touches(lane, keys)
                 e.required = need and e.touched
-            tried = set(df[(df["kernel"] == lane.kernel) & (df["dsl"] == lane.dsl)
-                           & (df["requested_profile"] == device)]["shape"]) if not df.empty else set()
+            # A default shape is tried when an ok row or a refusal of the whole lane (a row of phase
+            # eligibility / space: it cannot run there, with the reason) names it; failed trials alone (a
+            # run stopped after one infeasible config) leave it untried.
+            here = df[(df["kernel"] == lane.kernel) & (df["dsl"] == lane.dsl)
+                      & (df["requested_profile"] == device)] if not df.empty else df
+            tried = set(here[(here["status"] == "ok") | here["phase"].isin(NOT_RUN_PHASES)]["shape"]) \
+                if not here.empty else set()
             unmeasured = [s for s in _default_shapes(lane.kernel) if s not in tried] if need else []
             try:
                 no_bar = None if reference else frozenset(emulated_misfits(mine, lane, get_profile(device).target))

@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 from lab import registry
-from lab.results import load
+from lab.results import NOT_RUN_PHASES, load
 
 # The GPU is part of the group: a profile emulated on two GPUs (GB10 on an H100, later on an H200) gives two
 # tables, so that no ratio sets one GPU's timing against another's.
@@ -31,7 +31,6 @@ CONFIRM_COLS = {"time_ms": "confirm_ms", "time_q1_ms": "confirm_q1_ms", "time_q3
 HEAD_COLS = ["head_ms", "head_q1_ms", "head_q3_ms", "head_ci_half_ms", "head_n", "timing_source", "head_tflops",
              "head_gbs", "head_pct_peak_tflops", "ratio_to_baseline", "vs_baseline", "ratio_ref", "ratio_kind",
              "is_reference"]
-NOT_RUN_PHASES = ("eligibility", "space")  # a lane that ran nothing at a shape: one row with the reason
 
 
 def _verdict(a_q1, a_q3, b_q1, b_q3) -> str:
@@ -408,6 +407,8 @@ def write(path: Path, out: Path | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     md = markdown(df)
     pngs = plots(df, out) if not df.empty else []
+    for old in {*out.glob("*_tflops.png"), *out.glob("*_ratio.png")} - set(pngs):
+        old.unlink()   # a plot of an earlier report that this one no longer draws (e.g. a renamed group)
     if pngs:
         md += "\n## Plots\n\n" + "\n".join(f"![{p.stem}]({p.name})" for p in pngs) + "\n"
     (out / "report.md").write_text(md)

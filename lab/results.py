@@ -17,6 +17,9 @@ from pathlib import Path
 
 import pandas as pd
 
+# Phases of a row that says a lane ran nothing at a shape (with the reason): it cannot run there.
+NOT_RUN_PHASES = ("eligibility", "space")
+
 # Every row has these columns (config values are also flattened into cfg.<key> columns and shape
 # dims into shape.<dim> columns).
 COLUMNS = {

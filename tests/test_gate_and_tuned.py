@@ -273,16 +273,20 @@ def test_gate_device_never_measured_and_emulated_command(repo, lab_env):
 
 
 def test_gate_default_shape_never_measured_is_stale_until_tried(repo, lab_env):
-    """A required lane measured at one default shape is not fresh at another that no row names; a row of
-    any status there (a refusal too) counts as tried."""
+    """A required lane measured at one default shape is not fresh at another where it has no ok row: failed
+    trials (a run stopped after one infeasible config) leave the shape untried; a refusal of the whole
+    lane there (phase space / eligibility: it cannot run that shape, with the reason) counts as tried."""
     _default_shapes(lab_env, ["sq4096_bf16", "sq8192_bf16"])
     df = _write(repo, [_row("toy", commit=repo.head)])
     e = _entries(df)[("toy", "h100")]
     assert e.status == "stale" and e.failing and e.stale_shapes == ["sq8192_bf16"]
-    assert e.changes == ["default shapes never measured sq8192_bf16"]
+    assert e.changes == ["default shapes with no ok row sq8192_bf16"]
     assert e.command() == "python -m lab sweep gemm --device h100 --dsl toy --shape sq8192_bf16"
     df = _write(repo, [_row("toy", commit=repo.head),
                        _row("toy", commit=repo.head, shape="sq8192_bf16", status="infeasible")])
+    assert _entries(df)[("toy", "h100")].stale_shapes == ["sq8192_bf16"]
+    df = _write(repo, [_row("toy", commit=repo.head),
+                       _row("toy", commit=repo.head, shape="sq8192_bf16", status="infeasible", phase="space")])
     assert _entries(df)[("toy", "h100")].status == "fresh"
 
 

@@ -392,3 +392,34 @@ def test_headline_configs_and_sweep_seed_best(tmp_path, monkeypatch, capsys):
     assert cli.main(["sweep", "gemm", "--device", "gb10", "--shape", s, "--seed-best", "--seed-from", "h300",
                      "--results", str(tmp_path)]) == 2
     assert "unknown device 'h300'" in capsys.readouterr().err
+
+
+def test_a_profile_emulated_on_two_gpus_gives_two_tables(tmp_path):
+    """GB10 emulated on an H100 and on an H200: each GPU's rows are their own table, ratios and plots, and
+    ``--seed-best --emulate`` takes the best timed on the GPU present."""
+    from lab import report
+    from lab.results import RunWriter, load
+    emu = dict(requested_profile="gb10", emulated=True, phase="confirm")
+    w = RunWriter(tmp_path / "gb10" / "gemm", "run")
+    # On the H100, triton is the fastest (1.0 vs 2.0 ms); on the H200 torch (0.5 vs 0.9 ms).
+    w.add(_row(dsl="torch", baseline=True, config_json="{}", time_ms=2.0, actual_gpu="NVIDIA H100 80GB HBM3", **emu))
+    w.add(_row(config_json='{"BLOCK_M": 64}', time_ms=1.0, actual_gpu="NVIDIA H100 80GB HBM3", **emu))
+    w.add(_row(dsl="torch", baseline=True, config_json="{}", time_ms=0.5, actual_gpu="NVIDIA H200", **emu))
+    w.add(_row(config_json='{"BLOCK_M": 128}', time_ms=0.9, actual_gpu="NVIDIA H200", **emu))
+    df = load(tmp_path)
+    best = report.with_ratios(report.best_per_dsl(df))
+    assert len(best) == 4
+    ratio = {(r.actual_gpu, r.dsl): r.ratio_to_baseline for r in best.itertuples()}
+    assert ratio[("NVIDIA H100 80GB HBM3", "triton")] == pytest.approx(2.0)
+    assert ratio[("NVIDIA H200", "triton")] == pytest.approx(0.5 / 0.9)
+    md = report.markdown(df)
+    assert "## gemm on gb10 (EMULATED on NVIDIA H100 80GB HBM3)" in md and "## gemm on gb10 (EMULATED on NVIDIA H200)" in md
+    assert "H100 80GB HBM3, NVIDIA H200" not in md
+    (tmp_path / "report").mkdir()
+    (tmp_path / "report" / "gemm_gb10_emulated_ratio.png").write_bytes(b"")   # a plot an older report drew
+    report.write(tmp_path)
+    names = {p.name for p in (tmp_path / "report").glob("*.png")}
+    assert {"gemm_gb10_emulated_on_h100_ratio.png", "gemm_gb10_emulated_on_h200_ratio.png"} <= names
+    assert "gemm_gb10_emulated_ratio.png" not in names
+    assert report.headline_configs(df, "gemm", "gb10", True, "NVIDIA H200") == {("triton", "s"): {"BLOCK_M": 128}}
+    assert report.headline_configs(df, "gemm", "gb10", True, "NVIDIA H100 80GB HBM3") == {("triton", "s"): {"BLOCK_M": 64}}
