@@ -423,3 +423,4 @@ def test_a_profile_emulated_on_two_gpus_gives_two_tables(tmp_path):
     assert "gemm_gb10_emulated_ratio.png" not in names
     assert report.headline_configs(df, "gemm", "gb10", True, "NVIDIA H200") == {("triton", "s"): {"BLOCK_M": 128}}
     assert report.headline_configs(df, "gemm", "gb10", True, "NVIDIA H100 80GB HBM3") == {("triton", "s"): {"BLOCK_M": 64}}
+    assert report.headline_configs(df, "gemm", "gb10", True) == {("triton", "s"): {"BLOCK_M": 128}}   # the fastest
