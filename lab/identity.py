@@ -22,9 +22,25 @@ ROOT = Path(__file__).resolve().parent.parent
 Reader = Callable[[str], "str | None"]
 
 
+# Both parses below are pure functions of the text; the gate, the report and the export rebuild the same
+# files' identities at many commits (mostly the same texts), so each text is parsed once per process.
+_PARSED: dict = {}
+
+
+def _memo(kind: str, source: str, compute, *extra):
+    key = (kind, hashlib.sha1(source.encode()).digest(), *extra)
+    if key not in _PARSED:
+        _PARSED[key] = compute()
+    return _PARSED[key]
+
+
 def code_hash(source: str) -> str:
     """12 hex digits of the sha1 of the module's syntax tree without docstrings (comments and layout
     never reach the tree). Source that does not parse hashes as text, so a broken file still differs."""
+    return _memo("hash", source, lambda: _code_hash(source))
+
+
+def _code_hash(source: str) -> str:
     try:
         tree = ast.parse(source)
     except SyntaxError:
@@ -91,6 +107,10 @@ def _candidates(module: str, packages: dict[str, Path]) -> list[str]:
 
 def _imports(source: str, module: str, is_package: bool) -> list[str]:
     """Absolute names of every module ``source`` may import (``from a import b`` yields a and a.b)."""
+    return list(_memo("imports", source, lambda: _imports_of(source, module, is_package), module, is_package))
+
+
+def _imports_of(source: str, module: str, is_package: bool) -> list[str]:
     try:
         tree = ast.parse(source)
     except SyntaxError:
