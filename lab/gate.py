@@ -166,7 +166,8 @@ def ok_rows(df: pd.DataFrame) -> pd.DataFrame:
     precision = df["precision"].fillna("") if "precision" in df else ""
     keep = (df["status"] == "ok") & ~df["compile_only"].fillna(False).astype(bool) & df["time_ms"].notna() \
         & (df["phase"] != "gate_previous") & (precision == "")
-    keep &= pd.Series([at_default_precision(r) for _, r in df[["kernel", "dsl", "config_json"]].iterrows()],
+    keep &= pd.Series([_at_default_precision(k, d, c) for k, d, c in
+                       zip(df["kernel"].astype(str), df["dsl"].astype(str), df["config_json"].fillna(""))],
                       index=df.index, dtype=bool)
     return df[keep]
 
@@ -203,10 +204,15 @@ def at_default_precision(r: pd.Series) -> bool:
     """False for a row whose config sets a precision key (now a run option, see space.precisions) to
     another value than the lane's default: a row from before that knob left the search space (e.g. the
     Triton M2RNN forward at DOT = tf32x3 on fp32 inputs, where the default is the inputs' own fp32)."""
-    defaults = _precision_defaults(str(r["kernel"]), str(r["dsl"]))
+    return _at_default_precision(str(r["kernel"]), str(r["dsl"]), r["config_json"] or "")
+
+
+@lru_cache(maxsize=None)
+def _at_default_precision(kernel: str, dsl: str, config_json: str) -> bool:
+    defaults = _precision_defaults(kernel, dsl)
     if not defaults:
         return True
-    cfg = json.loads(r["config_json"] or "{}")
+    cfg = json.loads(config_json or "{}")
     return all(cfg.get(k, v) == v for k, v in defaults.items())
 
 
