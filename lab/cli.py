@@ -122,8 +122,10 @@ def cmd_sweep(args) -> int:
     if args.seed_best:
         from lab import report, results
         rows = results.load(args.results)
-        present = detect() if args.emulate else None   # an emulated best is the one timed on this GPU
-        best = report.headline_configs(rows, args.kernel, args.device, args.emulate, present and present.name)
+        best = report.headline_configs(rows, args.kernel, args.device, args.emulate)
+        present = detect() if args.emulate else None
+        if present is not None:   # emulated: the best timed on this GPU where it has one, else another GPU's
+            best |= report.headline_configs(rows, args.kernel, args.device, True, present.name)
         if args.seed_from:
             get_profile(args.seed_from)
             best = report.headline_configs(rows, args.kernel, args.seed_from, False) | best

@@ -424,3 +424,23 @@ def test_a_profile_emulated_on_two_gpus_gives_two_tables(tmp_path):
     assert report.headline_configs(df, "gemm", "gb10", True, "NVIDIA H200") == {("triton", "s"): {"BLOCK_M": 128}}
     assert report.headline_configs(df, "gemm", "gb10", True, "NVIDIA H100 80GB HBM3") == {("triton", "s"): {"BLOCK_M": 64}}
     assert report.headline_configs(df, "gemm", "gb10", True) == {("triton", "s"): {"BLOCK_M": 128}}   # the fastest
+    # sweep --seed-best --emulate: the best timed on the GPU present, else another GPU's
+    from lab import cli, sweep
+    from lab.devices import PresentGPU
+    got = {}
+
+    class Done:
+        class writer:
+            path, rows = tmp_path / "x.parquet", []
+
+    def fake_run(req, present, **kw):
+        got["req"] = req
+        return Done, {}
+    args = ["sweep", "gemm", "--device", "gb10", "--emulate", "--dsl", "triton", "--trials", "0", "--seed-best",
+            "--results", str(tmp_path)]
+    for gpu, want in (("NVIDIA H100 80GB HBM3", 64), ("NVIDIA H200", 128), ("NVIDIA B200", 128)):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(sweep, "run", fake_run)
+            mp.setattr(cli, "detect", lambda: PresentGPU(gpu, (9, 0), 132, 0, None))
+            assert cli.main(args) == 0
+        assert got["req"].seeds == {("triton", "s"): [{"BLOCK_M": want}]}, gpu
