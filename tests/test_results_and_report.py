@@ -345,10 +345,27 @@ def test_a_test_lanes_rows_stay_out_of_report_gate_and_export(tmp_path):
     assert "| triton |" in md and "faults" not in md
 
 
+def _capture_sweep_requests(monkeypatch, tmp_path) -> dict:
+    """Replaces ``sweep.run`` so that ``cli.main(["sweep", ...])`` runs nothing: the returned dict's
+    "req" is the last SweepRequest the CLI built."""
+    from lab import sweep
+    got = {}
+
+    class Done:
+        class writer:
+            path, rows = tmp_path / "x.parquet", []
+
+    def fake_run(req, present, **kw):
+        got["req"] = req
+        return Done, {}
+    monkeypatch.setattr(sweep, "run", fake_run)
+    return got
+
+
 def test_headline_configs_and_sweep_seed_best(tmp_path, monkeypatch, capsys):
     """``sweep --seed-best`` seeds each tuned lane's report headline config on the requested profile and
     emulation (no baseline lane), and counts --trials as new configs after it."""
-    from lab import cli, report, sweep
+    from lab import cli, report
     from lab.results import load
     s = "sq4096_bf16"
     _write(tmp_path, [dict(dsl="torch", baseline=True, config_json="{}", shape=s, **CONFIRM, **_t(4.0)),
@@ -361,16 +378,7 @@ def test_headline_configs_and_sweep_seed_best(tmp_path, monkeypatch, capsys):
     assert report.headline_configs(df, "gemm", "h100", False) == {("triton", s): {"BLOCK_M": 64}}
     assert report.headline_configs(df, "gemm", "gb10", True) == {("triton", s): {"BLOCK_M": 32}}
     assert report.headline_configs(df, "gemm", "gb10", False) == {}
-    got = {}
-
-    class Done:
-        class writer:
-            path, rows = tmp_path / "x.parquet", []
-
-    def fake_run(req, present, **kw):
-        got["req"] = req
-        return Done, {}
-    monkeypatch.setattr(sweep, "run", fake_run)
+    got = _capture_sweep_requests(monkeypatch, tmp_path)
     assert cli.main(["sweep", "gemm", "--device", "h100", "--dsl", "triton", "--shape", s, "--trials", "0",
                      "--seed-best", "--results", str(tmp_path)]) == 0
     req = got["req"]
@@ -425,22 +433,13 @@ def test_a_profile_emulated_on_two_gpus_gives_two_tables(tmp_path):
     assert report.headline_configs(df, "gemm", "gb10", True, "NVIDIA H100 80GB HBM3") == {("triton", "s"): {"BLOCK_M": 64}}
     assert report.headline_configs(df, "gemm", "gb10", True) == {("triton", "s"): {"BLOCK_M": 128}}   # the fastest
     # sweep --seed-best --emulate: the best timed on the GPU present, else another GPU's
-    from lab import cli, sweep
+    from lab import cli
     from lab.devices import PresentGPU
-    got = {}
-
-    class Done:
-        class writer:
-            path, rows = tmp_path / "x.parquet", []
-
-    def fake_run(req, present, **kw):
-        got["req"] = req
-        return Done, {}
     args = ["sweep", "gemm", "--device", "gb10", "--emulate", "--dsl", "triton", "--trials", "0", "--seed-best",
             "--results", str(tmp_path)]
     for gpu, want in (("NVIDIA H100 80GB HBM3", 64), ("NVIDIA H200", 128), ("NVIDIA B200", 128)):
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(sweep, "run", fake_run)
+            got = _capture_sweep_requests(mp, tmp_path)
             mp.setattr(cli, "detect", lambda: PresentGPU(gpu, (9, 0), 132, 0, None))
             assert cli.main(args) == 0
         assert got["req"].seeds == {("triton", "s"): [{"BLOCK_M": want}]}, gpu
