@@ -118,20 +118,21 @@ def cmd_sweep(args) -> int:
         if len(gpus) > 1:
             return multi.run_workers(args.argv, gpus, args.compile_workers)
         os.environ["CUDA_VISIBLE_DEVICES"], os.environ["LAB_GPU_INDEX"] = str(gpus[0]), str(gpus[0])
+    if args.seed_from:
+        if not args.seed_best:
+            raise LabError("--seed-from needs --seed-best")
+        get_profile(args.seed_from)
+    present = detect()
     seeds = {}
     if args.seed_best:
         from lab import report, results
         rows = results.load(args.results)
         best = report.headline_configs(rows, args.kernel, args.device, args.emulate)
-        present = detect() if args.emulate else None
-        if present is not None:   # emulated: the best timed on this GPU where it has one, else another GPU's
+        if args.emulate and present is not None:   # the best timed on this GPU where it has one, else another's
             best |= report.headline_configs(rows, args.kernel, args.device, True, present.name)
         if args.seed_from:
-            get_profile(args.seed_from)
             best = report.headline_configs(rows, args.kernel, args.seed_from, False) | best
         seeds = {k: [cfg] for k, cfg in best.items()}
-    elif args.seed_from:
-        raise LabError("--seed-from needs --seed-best")
     req = sweep.SweepRequest(
         kernel=args.kernel, device=args.device, dsls=dsls, shapes=args.shape or None, trials=args.trials,
         timeout_s=args.timeout, sampler=args.sampler, seed=args.seed, storage=args.storage, emulate=args.emulate,
@@ -139,7 +140,7 @@ def cmd_sweep(args) -> int:
         compile_workers=args.compile_workers,
         baseline=not args.no_baseline, confirm=not args.no_confirm, progress=not args.no_progress,
         precision=args.precision, seeds=seeds, new_trials=args.seed_best)
-    sw, summary = sweep.run(req, detect())
+    sw, summary = sweep.run(req, present)
     print(f"results: {sw.writer.path} ({len(sw.writer.rows)} rows)")
     return 0
 

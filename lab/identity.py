@@ -15,6 +15,7 @@ import re
 import importlib
 import subprocess
 from collections.abc import Callable
+from functools import lru_cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,25 +23,12 @@ ROOT = Path(__file__).resolve().parent.parent
 Reader = Callable[[str], "str | None"]
 
 
-# Both parses below are pure functions of the text; the gate, the report and the export rebuild the same
-# files' identities at many commits (mostly the same texts), so each text is parsed once per process.
-_PARSED: dict = {}
-
-
-def _memo(kind: str, source: str, compute, *extra):
-    key = (kind, hashlib.sha1(source.encode()).digest(), *extra)
-    if key not in _PARSED:
-        _PARSED[key] = compute()
-    return _PARSED[key]
-
-
+# code_hash and _imports are pure functions of the text, cached: the gate, the report and the export
+# rebuild the same files' identities at many commits (mostly the same texts).
+@lru_cache(maxsize=4096)
 def code_hash(source: str) -> str:
     """12 hex digits of the sha1 of the module's syntax tree without docstrings (comments and layout
     never reach the tree). Source that does not parse hashes as text, so a broken file still differs."""
-    return _memo("hash", source, lambda: _code_hash(source))
-
-
-def _code_hash(source: str) -> str:
     try:
         tree = ast.parse(source)
     except SyntaxError:
@@ -105,16 +93,13 @@ def _candidates(module: str, packages: dict[str, Path]) -> list[str]:
     return [_rel(base.with_suffix(".py")) if rest else _rel(base / "__init__.py"), _rel(base / "__init__.py")]
 
 
-def _imports(source: str, module: str, is_package: bool) -> list[str]:
+@lru_cache(maxsize=4096)
+def _imports(source: str, module: str, is_package: bool) -> tuple[str, ...]:
     """Absolute names of every module ``source`` may import (``from a import b`` yields a and a.b)."""
-    return list(_memo("imports", source, lambda: _imports_of(source, module, is_package), module, is_package))
-
-
-def _imports_of(source: str, module: str, is_package: bool) -> list[str]:
     try:
         tree = ast.parse(source)
     except SyntaxError:
-        return []
+        return ()
     names = []
     pkg = module if is_package else module.rpartition(".")[0]
     for node in ast.walk(tree):
@@ -128,7 +113,7 @@ def _imports_of(source: str, module: str, is_package: bool) -> list[str]:
                 base = ".".join(anchor + ([base] if base else []))
             names.append(base)
             names += [f"{base}.{a.name}" for a in node.names if a.name != "*"]
-    return names
+    return tuple(names)
 
 
 def closure(module: str, read: Reader, packages: dict[str, Path] | None = None) -> dict[str, str]:
