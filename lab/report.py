@@ -20,6 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 from lab import registry
+from lab.devices import match_profile
 from lab.results import NOT_RUN_PHASES, load
 
 # The GPU is part of the group: a profile emulated on two GPUs (GB10 on an H100, later on an H200) gives two
@@ -357,7 +358,6 @@ def _with_gpu(df: pd.DataFrame) -> pd.DataFrame:
 def _gpu_tag(gpu: str) -> str:
     """A short name for a GPU in file names: its profile (h100, h200), else its name in lower case, '_' for
     anything but letters and digits."""
-    from lab.devices import match_profile
     return match_profile(gpu) or "".join(c if c.isalnum() else "_" for c in gpu.lower())
 
 
