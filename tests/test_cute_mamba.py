@@ -78,6 +78,23 @@ def test_the_wgmma_path_compiles_for_sm90a_with_the_estimated_shared_memory(name
         {k: v for k, v in rest.items() if k not in ("key", "value")}
 
 
+def test_the_scan_runs_wgmma_at_scan_bj_32(tmp_path):
+    """PATH=wgmma with SCAN_BJ = 32 (M = 64 rows): the scan's q_hat^T dy on wgmma (both operands MN-major,
+    K = C*R = 64: four m64n32k16 per chunk) with the estimated shared memory; with SCAN_BJ = 16 it stays
+    on mma.sync."""
+    shape = space.get_shape("mamba_bwd_bwd", "h100_tuned")
+    for bj, count in ((32, 4), (16, 0)):
+        cfg = {**WGMMA, "SCAN_BJ": bj}
+        res = lane.compile_for(cfg, shape, "sm_90a", kernels=("scan",))
+        assert res["smem_bytes"] == lane.smem_kernels(cfg, shape, "sm_90a")["scan"] and res["stack"] == 0, res
+        folder = tmp_path / str(bj)
+        folder.mkdir()
+        lane._compile("scan", cfg, shape, "sm_90a", f"--keep-ptx --dump-dir {folder}")
+        (ptx,) = [p.read_text() for p in folder.glob("*.ptx")]
+        assert ptx.count("wgmma.mma_async.sync.aligned.m64n32k16") == count
+        assert ("mma.sync" in ptx) == (count == 0)
+
+
 def test_the_wgmma_path_emits_warpgroup_mma(tmp_path):
     """The PTX of the key kernel under PATH=wgmma: its products are wgmma (m64n64 for dkq, m64n32 for the
     pair products at KEY_BJ = 16), none is mma.sync, and the operand stores are fenced for the async proxy."""
@@ -155,9 +172,9 @@ BODY_CASES = [
     pytest.param(_small(B=2, S=24), {"SCAN_PREP": True}, id="bf16-scan-prep"),
     pytest.param(_small(S=24, H=2, G=2, N=64, rd=2, hasZ=False, hasD=False, reduceO=False, dtype="float16"),
                  {"SCAN_PREP": True}, id="fp16-options-off-gqa-scan-prep"),
-    # PATH=wgmma (C*R = 64): the key and value kernels through _wgmma's helpers and operand views (the
-    # bodies are the mma_sync path's otherwise: one case).
-    pytest.param(_small(B=2, S=32, C=16), {"PATH": "wgmma"}, id="wgmma-bf16-options-on-b2"),
+    # PATH=wgmma (C*R = 64): the key, value and (SCAN_BJ = 32) scan kernels through _wgmma's helpers and
+    # operand views (the bodies are the mma_sync path's otherwise: one case; two key CTAs a chunk).
+    pytest.param(_small(S=32, N=64, C=16), {"PATH": "wgmma", "SCAN_BJ": 32}, id="wgmma-bf16-scan-too"),
 ]
 
 
@@ -168,9 +185,9 @@ def test_kernel_bodies_match_the_reference(shape, config):
     assert lane.config_reason(config, shape) is None
     inputs, outputs = PROBLEM.make_inputs(shape, "cpu", 5), PROBLEM.alloc_outputs(shape, "cpu")
     modules = standin.emulated()
-    wgmma = config.get("PATH") == "wgmma"
-    for kernel in ("Key", "Value"):   # the products go through the path's helpers
-        assert (modules["chunk"][kernel]({**lane.DEFAULTS, **config}, shape).mm.mma_ss is standin.wgmma_ss) == wgmma
+    wgmma, full = config.get("PATH") == "wgmma", {**lane.DEFAULTS, **config}
+    for ns, kernel in (("chunk", "Key"), ("chunk", "Value"), ("scan", "Scan")):   # the path's helpers
+        assert (modules[ns][kernel](full, shape).mm.mma_ss is standin.wgmma_ss) == wgmma, kernel
     assert standin.run_lane(config, shape, inputs, outputs, modules) == \
         (["prep"] if config.get("SCAN_PREP") else []) + ["scan", "key", "value", "reduce"]
     ref = PROBLEM.reference(inputs, shape)

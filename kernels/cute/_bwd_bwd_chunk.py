@@ -40,7 +40,7 @@ from kernels.cute import _wgmma as wg
 from lab.problems import _mamba3 as m3
 
 THREADS = 128
-WGMMA_KERNELS = ("key", "value")   # the kernels whose products run on wgmma under PATH="wgmma"
+WGMMA_KERNELS = ("key", "value", "scan")   # the kernels whose products run on wgmma under PATH="wgmma"
 F32 = cutlass.Float32
 ALIGN = 128  # bytes: each shared buffer's alignment
 
@@ -237,14 +237,18 @@ class Buffers:
         return getattr(st, name).get_tensor(layout)
 
 
-def mma_module(config: dict, kernel: str):
-    """The MMA helpers of ``kernel`` ("key" / "value") under the config's PATH: _wgmma for the kernels
-    WGMMA_KERNELS names under PATH="wgmma", else _warp_mma."""
-    return wg if config.get("PATH", "mma_sync") == "wgmma" and kernel in WGMMA_KERNELS else wm
+def mma_module(config: dict, kernel: str, rows: int = wg.M):
+    """The MMA helpers of ``kernel`` ("key", "value", "scan"), whose products have ``rows`` rows, under
+    the config's PATH: _wgmma for the kernels WGMMA_KERNELS names under PATH="wgmma" when the rows are
+    wgmma's M (the lane refuses PATH="wgmma" unless the chunk kernels' F is; the scan's rows are 2 SCAN_BJ),
+    else _warp_mma."""
+    wgmma = config.get("PATH", "mma_sync") == "wgmma" and kernel in WGMMA_KERNELS and rows == wg.M
+    return wg if wgmma else wm
 
 
-def _operand_align(config: dict, kernel: str) -> int:
-    return wg.OPERAND_ALIGN if mma_module(config, kernel) is wg else ALIGN
+def operand_align(config: dict, kernel: str, rows: int = wg.M) -> int:
+    """Alignment of the kernel's operand buffers, bytes."""
+    return wg.OPERAND_ALIGN if mma_module(config, kernel, rows) is wg else ALIGN
 
 
 def key_layout(config: dict, shape: dict) -> Buffers:
@@ -256,7 +260,7 @@ def key_layout(config: dict, shape: dict) -> Buffers:
                     "dkq": (F, F, 4), "dks": (F, m2, 4), "dqs": (F, m2, 4),
                     "dkqm": (F, F, e), "dqk": (F, F, e), "qh": (F, m2, e), "kh": (F, m2, e), "q": (F, m2, e),
                     "k": (F, m2, e), "rows": (3, F, 4), "red": (1, THREADS, 4), "gate": (4, F, 4)},
-                   (("pv", "dy", "ds", "st"), ("dkqm", "dqk", "qh", "kh", "q", "k")), _operand_align(config, "key"))
+                   (("pv", "dy", "ds", "st"), ("dkqm", "dqk", "qh", "kh", "q", "k")), operand_align(config, "key"))
 
 
 def value_layout(config: dict, shape: dict) -> Buffers:
@@ -267,7 +271,7 @@ def value_layout(config: dict, shape: dict) -> Buffers:
     return Buffers({"kh": (F, N, e), "qh": (F, N, e), "lkq": (F, F, 4), "a": (F, F, e), "dy": (F, bp, e),
                     "pv": (F, bp, e), "ds": (N, bp, e), "dp": (F, max(bp, R), 4), "red": (1, THREADS, 4),
                     "gate": (3, F, 4)},
-                   (("qh",), ("dy", "pv", "ds")), _operand_align(config, "value"))
+                   (("qh",), ("dy", "pv", "ds")), operand_align(config, "value"))
 
 
 @cute.jit

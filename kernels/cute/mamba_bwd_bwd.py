@@ -20,8 +20,10 @@ Two code paths for the chunk kernels' products, the tunable PATH:
                       every product of the key side (the P loop's dkq, dks, dqs; dk_hat, dq_hat; the DK
                       and DQ products) and of the value side (lkq; k_hat dS and A dy of dPsiV; dkq) on
                       warpgroup MMA m64nNk16, both operands by descriptor from shared memory in canonical
-                      swizzled layouts (kernels/cute/_wgmma.py), the CTA's 128 threads one warpgroup. The
-                      scan (and Prep, Reduce, which multiply nothing) stays on mma_sync. No TMA yet.
+                      swizzled layouts (kernels/cute/_wgmma.py), the CTA's 128 threads one warpgroup; the
+                      scan's product (q_hat^T dy) too when SCAN_BJ = 32 (its M = 2 SCAN_BJ rows must be
+                      64; with SCAN_BJ = 16 it stays on mma_sync). Prep and Reduce multiply nothing. No
+                      TMA yet.
 The mma_sync path is compiled for sm_90a and sm_121a at every named shape, and the kernels' own bodies
 match the reference on all 12 outputs when run on the CPU stand-in for CuTe DSL (tests/test_cute_mamba.py,
 tests/cute_standin.py). On the H100 (2026-11-26, commit dcc3287) scripts/cute_bwd_check.py found every
