@@ -1,6 +1,6 @@
-"""Warpgroup MMA (wgmma, sm_90a only) from shared memory for the CuTe DSL bwd_bwd chunk kernels
-(kernels/cute/_bwd_bwd_chunk.py, PATH="wgmma"): the interface of _warp_mma.py (accumulator, coords,
-mma_ss, to_smem, from_smem) for one warpgroup (the CTA's 128 threads), m64nNk16 with both operands
+"""Warpgroup MMA (wgmma, sm_90a only) from shared memory for the CuTe DSL bwd_bwd kernels
+(kernels/cute/_bwd_bwd_chunk.py, _bwd_bwd_scan.py; PATH="wgmma"): the interface of _warp_mma.py
+(accumulator, coords, partition, mma_ss, to_smem, from_smem, operand, publish) for one warpgroup (the CTA's 128 threads), m64nNk16 with both operands
 read by descriptor from shared memory, fp32 accumulators.
 
 wgmma reads shared memory through the async proxy and only in its canonical layouts, so:
@@ -19,7 +19,9 @@ wgmma reads shared memory through the async proxy and only in its canonical layo
   * mma_ss is synchronous: wgmma.fence, the k-blocks, commit, wait for all, so its accumulator and its
     operands' buffers are free when it returns (the callers' barriers then order the reuse).
 
-M (the products' rows: the F = C*R fused rows) must be 64.
+M (the products' rows: the chunk kernels' F = C*R fused rows, the scan's 2 SCAN_BJ) must be 64. Checked
+on the CPU only through tests/cute_standin.py (views, orientation) and the compiled PTX (wgmma present,
+transpose flags); not yet run on a GPU.
 
 API learned from the installed CuTe DSL package (cutlass/cute/nvgpu/warpgroup/helpers.py and mma.py:
 make_smem_layout_atom, MmaF16BF16Op, fence / commit_group / wait_group; cutlass/utils/hopper_helpers.py:
