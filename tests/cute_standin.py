@@ -1,5 +1,5 @@
 """A CPU stand-in for the part of CuTe DSL the CuTe bwd_bwd kernels use (kernels/cute/_bwd_bwd_scan.py,
-_bwd_bwd_chunk.py, _warp_mma.py): their own Python kernel bodies run on CPU tensors, 128 Python threads
+_bwd_bwd_chunk.py, _warp_mma.py, _wgmma.py): their own Python kernel bodies run on CPU tensors, 128 Python threads
 per CTA (a barrier for sync_threads, a per-warp exchange for shuffles), one CTA after another, so the
 tests check the kernels' index arithmetic, views, operand orientation, barriers and launch schedule
 against the problem's reference. Not checked here: the DSL's lowering (ldmatrix, fragment ownership,
@@ -13,7 +13,9 @@ nearest even, as on the GPU); arithmetic is fp64, and a store rounds to the tens
 fp16). ``mma_ss`` is acc += A B^T over the two operand views, exact, after checking the tiled MMA's
 granularity (M, N multiples of 32, K of 16); a thread's accumulator holds the elements
 k = e * 128 + tid of the M x N product in row-major order (any one-to-one assignment would do: the
-kernels only pair an accumulator with partitions of the same shape). Shared memory starts as NaN, and
+kernels only pair an accumulator with partitions of the same shape). _wgmma (PATH="wgmma") is the same
+product for M = 64 rows over the same views (its swizzled layouts only place the views' elements
+elsewhere in memory); its fences and waits are no-ops here. Shared memory starts as NaN, and
 so do the lane's workspaces, so a read of an element nothing wrote shows up; a view larger than its
 buffer raises.
 
@@ -289,6 +291,9 @@ class TiledMma:
     def get_slice(self, tid):
         return types.SimpleNamespace(partition_C=lambda t: Part(t, int(tid)))
 
+    def set(self, field, value):   # wgmma's ACCUMULATE: mma_ss always accumulates
+        pass
+
 
 def mma_ss(tiled_mma, tid, acc, sA, sB, a_mn_major, b_mn_major, dt):
     """acc += A B^T (exact) over the operand views A (M x K) and B (N x K). The product is formed once
@@ -307,6 +312,17 @@ def mma_ss(tiled_mma, tid, acc, sA, sB, a_mn_major, b_mn_major, dt):
     N, flat = prod
     for e in range(acc.count):
         acc[e] = acc[e] + flat[e * THREADS + int(tid)]
+
+
+def wgmma_ss(tiled_mma, tid, acc, sA, sB, a_mn_major, b_mn_major, dt):
+    """_wgmma.mma_ss: mma_ss for one warpgroup, whose products have M = 64 rows."""
+    assert sA.modes()[0] == 64, sA.modes()
+    mma_ss(tiled_mma, tid, acc, sA, sB, a_mn_major, b_mn_major, dt)
+
+
+def _cute_size(x, mode=None):
+    """cute.size of an accumulator, or of one mode of a tensor."""
+    return x.count if mode is None else x.modes()[mode[0]]
 
 
 # --------------------------------------------------------------------------------------------
@@ -430,6 +446,11 @@ class _KernelFn:
         return lambda *args: _Launch(self.fn, obj, args)
 
 
+_WARPGROUP = types.SimpleNamespace(   # what _wgmma.tiled names; its operands' majors are the views'
+    MmaF16BF16Op=lambda *a: None, OperandSource=types.SimpleNamespace(SMEM="smem"),
+    Field=types.SimpleNamespace(ACCUMULATE="accumulate"))
+
+
 def fake_modules():
     """(cutlass, cute, cuda) namespaces with what the kernels use."""
     cutlass = types.SimpleNamespace(
@@ -441,17 +462,20 @@ def fake_modules():
         make_layout=lambda shape, stride=None: Layout(shape, stride if stride is not None else _compact(shape)),
         make_tensor=lambda p, layout: Tensor(p, layout),
         make_identity_tensor=Identity, make_rmem_tensor=Frag, cosize=lambda layout: layout.cosize(),
-        size=lambda x: x.count, make_tiled_mma=lambda *a, **k: TiledMma(),
-        nvgpu=types.SimpleNamespace(warp=types.SimpleNamespace(MmaF16BF16Op=lambda *a: None)),
+        size=_cute_size, make_tiled_mma=lambda *a, **k: TiledMma(),
+        nvgpu=types.SimpleNamespace(warp=types.SimpleNamespace(MmaF16BF16Op=lambda *a: None), warpgroup=_WARPGROUP,
+                                    OperandMajorMode=types.SimpleNamespace(K="k", MN="mn")),
         math=types.SimpleNamespace(exp=_exp, cos=lambda x: Val(math.cos(_f(x))), sin=lambda x: Val(math.sin(_f(x)))),
         arch=types.SimpleNamespace(thread_idx=lambda: (_local.tid, 0, 0), block_idx=lambda: _block.ctx.block,
-                                   sync_threads=_sync, shuffle_sync_bfly=_shuffle_bfly))
+                                   sync_threads=_sync, shuffle_sync_bfly=_shuffle_bfly,
+                                   fence_proxy=lambda *a, **k: None))   # one memory, one proxy
     cuda = types.SimpleNamespace(CUstream=object)
     return cutlass, cute, cuda
 
 
 _IMPORTS = ("import cuda.bindings.driver as cuda\n", "import cutlass\n", "import cutlass.cute as cute\n",
-            "from kernels.cute import _warp_mma as wm\n", "from kernels.cute import _bwd_bwd_chunk as chunk\n")
+            "from kernels.cute import _warp_mma as wm\n", "from kernels.cute import _wgmma as wg\n",
+            "from kernels.cute import _bwd_bwd_chunk as chunk\n")
 
 
 def _emulate(path: Path, names: dict) -> dict:
@@ -472,6 +496,12 @@ def emulated() -> dict:
                                   if not k.startswith("__")})
     wm.mma_ss = mma_ss
     names["wm"] = wm
+    # _wgmma: its accumulator helpers as written; its operand views are _warp_mma's (the canonical layouts'
+    # swizzle only permutes bytes in memory: the stand-in checks the views' coordinates, not the bytes).
+    wg = types.SimpleNamespace(**{k: v for k, v in _emulate(folder / "_wgmma.py", names).items()
+                                  if not k.startswith("__")})
+    wg.mma_ss, wg.operand = wgmma_ss, lambda *a, **k: wm.operand(*a, **k)
+    names["wg"] = wg
     chunk = _emulate(folder / "_bwd_bwd_chunk.py", names)
     names["chunk"] = types.SimpleNamespace(**{k: v for k, v in chunk.items() if not k.startswith("__")})
     return {"scan": _emulate(folder / "_bwd_bwd_scan.py", names), "chunk": chunk}

@@ -20,9 +20,12 @@ Value: grid (nc, H, B), one chunk. lkq = k_hat q_hat^T over all of N (F x F, kep
   DFACTOR from the key side's workspaces.
 Reduce: grid (H, B): DMIMO_V and DD summed over chunks (deterministic, no atomics).
 
-Every product runs on warp-level mma.sync m16n8k16 (2 x 2 warps, bf16 / fp16 operands from shared
-memory by ldmatrix, fp32 accumulation), so one code serves sm_90a and sm_120a / sm_121a. Accumulators
-pass through shared memory (fp32) for the elementwise work, which threads do 128 at a time.
+Every product runs through the MMA helpers of the config's PATH (``mma_module``): warp-level mma.sync
+m16n8k16 (kernels/cute/_warp_mma.py: 2 x 2 warps, operands by ldmatrix), which serves sm_90a and
+sm_120a / sm_121a, or, with PATH="wgmma" (sm_90a, F = 64), warpgroup MMA (kernels/cute/_wgmma.py:
+operand buffers in canonical swizzled layouts, written through those views, fenced for the async proxy
+before the barrier that precedes a product). bf16 / fp16 operands from shared memory, fp32 accumulation.
+Accumulators pass through shared memory (fp32) for the elementwise work, which threads do 128 at a time.
 
 API learned from this lab's kernels/cute/gemm.py (mma_sync path) and _bwd_bwd_scan.py. Sizes in bytes.
 """
@@ -33,9 +36,11 @@ import cutlass
 import cutlass.cute as cute
 
 from kernels.cute import _warp_mma as wm
+from kernels.cute import _wgmma as wg
 from lab.problems import _mamba3 as m3
 
 THREADS = 128
+WGMMA_KERNELS = ("key", "value", "scan")   # the kernels whose products run on wgmma under PATH="wgmma"
 F32 = cutlass.Float32
 ALIGN = 128  # bytes: each shared buffer's alignment
 
@@ -173,39 +178,77 @@ class Views:
 
 
 class Buffers:
-    """A kernel's shared buffers, name -> (rows, cols, element bytes), each aligned to ALIGN bytes. The
-    input-dtype buffers of each group in ``phases`` share one region ("ops"), laid out one group at a
-    time: a group's buffers are dead (a barrier passed) before the next group's are written."""
+    """A kernel's shared buffers, name -> (rows, cols, element bytes). The input-dtype buffers of each
+    group in ``phases`` share one region ("ops"), laid out one group at a time: a group's buffers are dead
+    (a barrier passed) before the next group's are written. Input-dtype buffers (the products' operands)
+    are aligned to ``operand_align`` bytes (wgmma's canonical layouts: kernels/cute/_wgmma.py), come first
+    and the region next; the fp32 buffers follow, each aligned to ALIGN bytes."""
 
-    def __init__(self, buffers: dict, phases: tuple = ()):
-        self.buffers, self.offsets, region = buffers, {}, 0
+    def __init__(self, buffers: dict, phases: tuple = (), operand_align: int = ALIGN):
+        self.buffers, self.offsets, self.align, region = buffers, {}, operand_align, 0
         for group in phases:
             at = 0
             for name in group:
                 r, c, b = buffers[name]
                 assert b == 2, name
                 self.offsets[name] = at // 2   # elements of the input dtype
-                at += padded(r * c * b)
+                at += self._padded(r * c * b, b)
             region = max(region, at)
         self.region = region
 
+    def _padded(self, nbytes: int, elem: int) -> int:
+        align = self.align if elem == 2 else ALIGN
+        return -(-nbytes // align) * align
+
+    def _fields(self) -> list:
+        """(name, (rows, cols, bytes)) of the buffers outside the region, operands first."""
+        rest = [(n, v) for n, v in self.buffers.items() if n not in self.offsets]
+        return sorted(rest, key=lambda item: item[1][2] != 2)
+
     def nbytes(self) -> int:
-        """Dynamic shared memory of the kernel, bytes."""
-        return self.region + sum(padded(r * c * b) for n, (r, c, b) in self.buffers.items() if n not in self.offsets)
+        """Dynamic shared memory of the kernel, bytes: the struct's, whose size is a multiple of its
+        largest alignment."""
+        total = self.region + sum(self._padded(r * c * b, b) for _, (r, c, b) in self._fields())
+        return -(-total // max(self.align, ALIGN)) * max(self.align, ALIGN)
 
     def storage(self, dt):
-        """A cute.struct with one aligned MemRange per buffer outside the shared region, and the region."""
-        fields = {name: cute.struct.Align[cute.struct.MemRange[dt if b == 2 else F32, r * c], ALIGN]
-                  for name, (r, c, b) in self.buffers.items() if name not in self.offsets}
-        if self.region:
-            fields["ops"] = cute.struct.Align[cute.struct.MemRange[dt, self.region // 2], ALIGN]
+        """A cute.struct with one aligned MemRange per buffer outside the shared region, and the region
+        (after the operands, before the fp32 buffers)."""
+        fields = {}
+        for name, (r, c, b) in self._fields():
+            if b != 2 and self.region and "ops" not in fields:
+                fields["ops"] = cute.struct.Align[cute.struct.MemRange[dt, self.region // 2], self.align]
+            fields[name] = cute.struct.Align[cute.struct.MemRange[dt if b == 2 else F32, r * c],
+                                             self.align if b == 2 else ALIGN]
+        if self.region and "ops" not in fields:
+            fields["ops"] = cute.struct.Align[cute.struct.MemRange[dt, self.region // 2], self.align]
         return cute.struct(type("Buffers", (), {"__annotations__": fields}))
+
+    def pointer(self, st, name: str):
+        """The first element of buffer ``name`` of the allocated storage ``st``."""
+        if name in self.offsets:
+            return st.ops.data_ptr() + self.offsets[name]
+        return getattr(st, name).data_ptr()
 
     def tensor(self, st, name: str, layout):
         """Buffer ``name`` of the allocated storage ``st`` seen through ``layout`` (at trace time)."""
         if name in self.offsets:
-            return cute.make_tensor(st.ops.data_ptr() + self.offsets[name], layout)
+            return cute.make_tensor(self.pointer(st, name), layout)
         return getattr(st, name).get_tensor(layout)
+
+
+def mma_module(config: dict, kernel: str, rows: int = wg.M):
+    """The MMA helpers of ``kernel`` ("key", "value", "scan"), whose products have ``rows`` rows, under
+    the config's PATH: _wgmma for the kernels WGMMA_KERNELS names under PATH="wgmma" when the rows are
+    wgmma's M (the lane refuses PATH="wgmma" unless the chunk kernels' F is; the scan's rows are 2 SCAN_BJ),
+    else _warp_mma."""
+    wgmma = config.get("PATH", "mma_sync") == "wgmma" and kernel in WGMMA_KERNELS and rows == wg.M
+    return wg if wgmma else wm
+
+
+def operand_align(config: dict, kernel: str, rows: int = wg.M) -> int:
+    """Alignment of the kernel's operand buffers, bytes."""
+    return wg.OPERAND_ALIGN if mma_module(config, kernel, rows) is wg else ALIGN
 
 
 def key_layout(config: dict, shape: dict) -> Buffers:
@@ -217,7 +260,7 @@ def key_layout(config: dict, shape: dict) -> Buffers:
                     "dkq": (F, F, 4), "dks": (F, m2, 4), "dqs": (F, m2, 4),
                     "dkqm": (F, F, e), "dqk": (F, F, e), "qh": (F, m2, e), "kh": (F, m2, e), "q": (F, m2, e),
                     "k": (F, m2, e), "rows": (3, F, 4), "red": (1, THREADS, 4), "gate": (4, F, 4)},
-                   (("pv", "dy", "ds", "st"), ("dkqm", "dqk", "qh", "kh", "q", "k")))
+                   (("pv", "dy", "ds", "st"), ("dkqm", "dqk", "qh", "kh", "q", "k")), operand_align(config, "key"))
 
 
 def value_layout(config: dict, shape: dict) -> Buffers:
@@ -228,7 +271,7 @@ def value_layout(config: dict, shape: dict) -> Buffers:
     return Buffers({"kh": (F, N, e), "qh": (F, N, e), "lkq": (F, F, 4), "a": (F, F, e), "dy": (F, bp, e),
                     "pv": (F, bp, e), "ds": (N, bp, e), "dp": (F, max(bp, R), 4), "red": (1, THREADS, 4),
                     "gate": (3, F, 4)},
-                   (("qh",), ("dy", "pv", "ds")))
+                   (("qh",), ("dy", "pv", "ds")), operand_align(config, "value"))
 
 
 @cute.jit
@@ -260,6 +303,7 @@ class Key(Views):
         self.prep = bool(config.get("SCAN_PREP", False))   # dy read from the scan's Prep (DY), not built
         self.M2 = 2 * self.BJ
         self.buffers = key_layout(config, shape)
+        self.mm = mma_module(config, "key")
 
     @cute.jit
     def __call__(self, q: cute.Pointer, k: cute.Pointer, qb: cute.Pointer, kb: cute.Pointer, v: cute.Pointer,
@@ -275,8 +319,8 @@ class Key(Views):
              self.ops(dy, self.P), self.state(states), self.state(ds), self.out_rows(dq), self.out_rows(dk),
              self.step_head(dang, self.nr), self.row_ws(row_ws), self.chunk_ws(dda_ws, self.NBJ))
         self.storage = self.buffers.storage(self.dt)
-        self.kernel(*t, wm.tiled(self.dt)).launch(grid=(self.nc * self.NBJ, self.H, self.B), block=[THREADS, 1, 1],
-                                               stream=stream)
+        self.kernel(*t, self.mm.tiled(self.dt)).launch(grid=(self.nc * self.NBJ, self.H, self.B),
+                                                       block=[THREADS, 1, 1], stream=stream)
 
     def out_rows(self, p):    # DQ, DK [B, S*R, H, N]
         N, H, S, R = self.N, self.H, self.S, self.R
@@ -301,21 +345,22 @@ class Key(Views):
         g = h // (self.H // self.G)
         st = cutlass.memory.SmemAllocator().allocate(self.storage)
         buf = self.buffers
-        s_pv, s_dy = buf.tensor(st, "pv", wm.row_major(F, BP)), buf.tensor(st, "dy", wm.row_major(F, BP))
-        s_ds, s_st = buf.tensor(st, "ds", wm.row_major(M2, BP)), buf.tensor(st, "st", wm.row_major(M2, BP))
+
+        def op(name, rows, cols, transposed=False):   # an operand buffer (canonical layout under wgmma)
+            return self.mm.operand(buf, st, name, rows, cols, dt, transposed)
+        s_pv, s_dy, s_ds, s_st = op("pv", F, BP), op("dy", F, BP), op("ds", M2, BP), op("st", M2, BP)
         s_dkq, s_dks, s_dqs = (st.dkq.get_tensor(wm.row_major(F, F)), st.dks.get_tensor(wm.row_major(F, M2)),
                                st.dqs.get_tensor(wm.row_major(F, M2)))
-        s_dkqm, s_dqk = buf.tensor(st, "dkqm", wm.row_major(F, F)), buf.tensor(st, "dqk", wm.row_major(F, F))
-        s_qh, s_kh = buf.tensor(st, "qh", wm.row_major(F, M2)), buf.tensor(st, "kh", wm.row_major(F, M2))
-        s_q, s_k = buf.tensor(st, "q", wm.row_major(F, M2)), buf.tensor(st, "k", wm.row_major(F, M2))
+        s_dkqm, s_dqk = op("dkqm", F, F), op("dqk", F, F)
+        s_qh, s_kh, s_q, s_k = op("qh", F, M2), op("kh", F, M2), op("q", F, M2), op("k", F, M2)
         s_rows, s_red = st.rows.get_tensor(wm.row_major(3, F)), st.red.get_tensor(wm.row_major(1, THREADS))
         s_ang = st.dkq.get_tensor(wm.row_major(F, BJ))   # the angle gradient per (row, pair), once dkq is used
         s_gate = st.gate.get_tensor(wm.row_major(4, F))
         self.gates(s_gate, mdt, mtrap, mdar, mda, c, h, b, tid)   # read after the P loop's barriers
 
-        acc_dkq = wm.accumulator(tiled_mma, tid, F, F)
-        acc_dks = wm.accumulator(tiled_mma, tid, F, M2)
-        acc_dqs = wm.accumulator(tiled_mma, tid, F, M2)
+        acc_dkq = self.mm.accumulator(tiled_mma, tid, F, F)
+        acc_dks = self.mm.accumulator(tiled_mma, tid, F, M2)
+        acc_dqs = self.mm.accumulator(tiled_mma, tid, F, M2)
         dda = F32(0.0)
         for p0 in cutlass.range(0, self.P, BP, unroll=1):
             for it in cutlass.range(F * BP // THREADS, unroll=self.unroll):
@@ -335,14 +380,15 @@ class Key(Views):
                 s_ds[m, p] = ds_v
                 s_st[m, p] = st_v.to(dt)
                 dda = dda + ds_v.to(F32) * st_v.to(F32)
+            self.mm.publish()
             cute.arch.sync_threads()
-            wm.mma_ss(tiled_mma, tid, acc_dkq, s_pv, s_dy, False, False, dt)
-            wm.mma_ss(tiled_mma, tid, acc_dks, s_pv, s_ds, False, False, dt)
-            wm.mma_ss(tiled_mma, tid, acc_dqs, s_dy, s_st, False, False, dt)
+            self.mm.mma_ss(tiled_mma, tid, acc_dkq, s_pv, s_dy, False, False, dt)
+            self.mm.mma_ss(tiled_mma, tid, acc_dks, s_pv, s_ds, False, False, dt)
+            self.mm.mma_ss(tiled_mma, tid, acc_dqs, s_dy, s_st, False, False, dt)
             cute.arch.sync_threads()   # before the next step overwrites the operands
-        wm.to_smem(tiled_mma, tid, acc_dkq, s_dkq)
-        wm.to_smem(tiled_mma, tid, acc_dks, s_dks)
-        wm.to_smem(tiled_mma, tid, acc_dqs, s_dqs)
+        self.mm.to_smem(tiled_mma, tid, acc_dkq, s_dkq)
+        self.mm.to_smem(tiled_mma, tid, acc_dks, s_dks)
+        self.mm.to_smem(tiled_mma, tid, acc_dqs, s_dqs)
         total = _block_sum(s_red, tid, dda)    # its barrier also publishes the tiles above
         if tid == 0:
             mdda[jb, c, h, b] = cute.math.exp(mda[c * C + C - 1, h, b]) * total
@@ -376,19 +422,20 @@ class Key(Views):
                 s_rows[2, f] = fwd
             s_dks[f, j], s_dks[f, BJ + j] = er * dks_lo, er * dks_hi
             s_dqs[f, j], s_dqs[f, BJ + j] = ea * dqs_lo, ea * dqs_hi
+        self.mm.publish()
         cute.arch.sync_threads()
 
         # dk_hat = er dks + dkq_m q_hat; dq_hat = ea dqs + dkq_m^T k_hat (back into s_dks, s_dqs).
-        acc = wm.accumulator(tiled_mma, tid, F, M2)
-        wm.from_smem(tiled_mma, tid, acc, s_dks)
-        wm.mma_ss(tiled_mma, tid, acc, s_dkqm, buf.tensor(st, "qh", wm.col_major(M2, F)), False, True, dt)
-        acc2 = wm.accumulator(tiled_mma, tid, F, M2)
-        wm.from_smem(tiled_mma, tid, acc2, s_dqs)
-        wm.mma_ss(tiled_mma, tid, acc2, buf.tensor(st, "dkqm", wm.col_major(F, F)),
-                  buf.tensor(st, "kh", wm.col_major(M2, F)), True, True, dt)
+        acc = self.mm.accumulator(tiled_mma, tid, F, M2)
+        self.mm.from_smem(tiled_mma, tid, acc, s_dks)
+        self.mm.mma_ss(tiled_mma, tid, acc, s_dkqm, op("qh", F, M2, True), False, True, dt)
+        acc2 = self.mm.accumulator(tiled_mma, tid, F, M2)
+        self.mm.from_smem(tiled_mma, tid, acc2, s_dqs)
+        self.mm.mma_ss(tiled_mma, tid, acc2, op("dkqm", F, F, True),
+                  op("kh", F, M2, True), True, True, dt)
         cute.arch.sync_threads()   # every thread has read s_dks, s_dqs
-        wm.to_smem(tiled_mma, tid, acc, s_dks)
-        wm.to_smem(tiled_mma, tid, acc2, s_dqs)
+        self.mm.to_smem(tiled_mma, tid, acc, s_dks)
+        self.mm.to_smem(tiled_mma, tid, acc2, s_dqs)
         cute.arch.sync_threads()
 
         # Angle gradient, DFACTOR's row sums, and the rotary transposes of dk_hat factor and dq_hat.
@@ -412,17 +459,17 @@ class Key(Views):
         out_layout = cute.make_layout((F, (BJ, 2)), stride=(self.H * self.N, (1, NH)))
         row0 = (b * self.S * R + c * F) * self.H * self.N + h * self.N + j0
         for which in cutlass.range_constexpr(2):
-            acc3 = wm.accumulator(tiled_mma, tid, F, M2)
+            acc3 = self.mm.accumulator(tiled_mma, tid, F, M2)
             if cutlass.const_expr(which == 0):
-                wm.from_smem(tiled_mma, tid, acc3, s_dks)
-                wm.mma_ss(tiled_mma, tid, acc3, buf.tensor(st, "dqk", wm.col_major(F, F)),
-                          buf.tensor(st, "q", wm.col_major(M2, F)), True, True, dt)
+                self.mm.from_smem(tiled_mma, tid, acc3, s_dks)
+                self.mm.mma_ss(tiled_mma, tid, acc3, op("dqk", F, F, True),
+                          op("q", F, M2, True), True, True, dt)
                 dst = cute.make_tensor(mdk.iterator + row0, out_layout)
             else:
-                wm.from_smem(tiled_mma, tid, acc3, s_dqs)
-                wm.mma_ss(tiled_mma, tid, acc3, s_dqk, buf.tensor(st, "k", wm.col_major(M2, F)), False, True, dt)
+                self.mm.from_smem(tiled_mma, tid, acc3, s_dqs)
+                self.mm.mma_ss(tiled_mma, tid, acc3, s_dqk, op("k", F, M2, True), False, True, dt)
                 dst = cute.make_tensor(mdq.iterator + row0, out_layout)
-            part = tiled_mma.get_slice(tid).partition_C(dst)
+            part = self.mm.partition(tiled_mma, tid, dst)
             for e in cutlass.range_constexpr(cute.size(acc3)):
                 part[e] = acc3[e].to(dt)
 
@@ -454,6 +501,7 @@ class Value(Views):
         self.unroll = config["UNROLL"]
         self.prep = bool(config.get("SCAN_PREP", False))   # dy read from the scan's Prep (DY), not built
         self.buffers = value_layout(config, shape)
+        self.mm = mma_module(config, "value")
 
     @cute.jit
     def __call__(self, q: cute.Pointer, k: cute.Pointer, qb: cute.Pointer, kb: cute.Pointer, v: cute.Pointer,
@@ -478,7 +526,7 @@ class Value(Views):
              self.per_step(ddda), self.per_step(dda_cs), self.per_step(dda_cs_rev), mssda, mdpsi,
              self.chunk_ws(dd_ws, 1))
         self.storage = self.buffers.storage(self.dt)
-        self.kernel(*t, wm.tiled(self.dt)).launch(grid=(nc, H, B), block=[THREADS, 1, 1], stream=stream)
+        self.kernel(*t, self.mm.tiled(self.dt)).launch(grid=(nc, H, B), block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mq: cute.Tensor, mk: cute.Tensor, mqb: cute.Tensor, mkb: cute.Tensor, mv: cute.Tensor,
@@ -495,11 +543,13 @@ class Value(Views):
         g = h // (self.H // self.G)
         st = cutlass.memory.SmemAllocator().allocate(self.storage)
         buf = self.buffers
-        s_kh, s_qh = buf.tensor(st, "kh", wm.row_major(F, N)), buf.tensor(st, "qh", wm.row_major(F, N))
-        s_lkq, s_a = st.lkq.get_tensor(wm.row_major(F, F)), st.a.get_tensor(wm.row_major(F, F))
-        s_dy, s_pv = buf.tensor(st, "dy", wm.row_major(F, BP)), buf.tensor(st, "pv", wm.row_major(F, BP))
-        s_ds, s_dp = buf.tensor(st, "ds", wm.row_major(N, BP)), st.dp.get_tensor(wm.row_major(F, BP))
-        s_ds_t, s_dy_t = buf.tensor(st, "ds", wm.col_major(BP, N)), buf.tensor(st, "dy", wm.col_major(BP, F))
+
+        def op(name, rows, cols, transposed=False):   # an operand buffer (canonical layout under wgmma)
+            return self.mm.operand(buf, st, name, rows, cols, dt, transposed)
+        s_kh, s_qh, s_a = op("kh", F, N), op("qh", F, N), op("a", F, F)
+        s_dy, s_pv, s_ds = op("dy", F, BP), op("pv", F, BP), op("ds", N, BP)
+        s_ds_t, s_dy_t = op("ds", N, BP, True), op("dy", F, BP, True)
+        s_lkq, s_dp = st.lkq.get_tensor(wm.row_major(F, F)), st.dp.get_tensor(wm.row_major(F, BP))
         s_diag = st.dp.get_tensor(wm.row_major(F, R))    # dkq's same-step entries, after the P loop
         s_red = st.red.get_tensor(wm.row_major(1, THREADS))
         s_gate = st.gate.get_tensor(wm.row_major(3, F))
@@ -514,10 +564,11 @@ class Value(Views):
             s_qh[f, n], s_qh[f, NH + n] = (q_lo * cos - q_hi * sin).to(dt), (q_lo * sin + q_hi * cos).to(dt)
             s_kh[f, n] = ((k_lo * cos - k_hi * sin) * factor).to(dt)
             s_kh[f, NH + n] = ((k_lo * sin + k_hi * cos) * factor).to(dt)
+        self.mm.publish()
         cute.arch.sync_threads()
-        acc_lkq = wm.accumulator(tiled_mma, tid, F, F)
-        wm.mma_ss(tiled_mma, tid, acc_lkq, s_kh, s_qh, False, False, dt)
-        wm.to_smem(tiled_mma, tid, acc_lkq, s_lkq)
+        acc_lkq = self.mm.accumulator(tiled_mma, tid, F, F)
+        self.mm.mma_ss(tiled_mma, tid, acc_lkq, s_kh, s_qh, False, False, dt)
+        self.mm.to_smem(tiled_mma, tid, acc_lkq, s_lkq)
         cute.arch.sync_threads()
         # A = lkq * decay + gamma QK_DOT on the same-step blocks: A[x, y] = gamma_y QK_DOT[t, r_y, r_x].
         for it in cutlass.range(F * F // THREADS, unroll=self.unroll):
@@ -532,7 +583,7 @@ class Value(Views):
         if cutlass.const_expr(self.has_d):
             dpar = mdpar[h]
         dd = F32(0.0)
-        acc_dkq = wm.accumulator(tiled_mma, tid, F, F)
+        acc_dkq = self.mm.accumulator(tiled_mma, tid, F, F)
         for p0 in cutlass.range(0, P, BP, unroll=1):
             # Operands: dy, PsiV [F, BP] (input dtype), the dS columns [N, BP]; D dy (fp32) into s_dp.
             for it in cutlass.range(F * BP // THREADS, unroll=self.unroll):
@@ -551,19 +602,20 @@ class Value(Views):
                 idx = it * THREADS + tid
                 n, p = idx // BP, idx % BP
                 s_ds[n, p] = mds[p0 + p, n, c, h, b]
+            self.mm.publish()   # (and s_a's stores, before the first step)
             cute.arch.sync_threads()
             # dPsiV = er (k_hat dS) + D dy + A dy; er per accumulator row.
-            acc = wm.accumulator(tiled_mma, tid, F, BP)
-            coord = wm.coords(tiled_mma, tid, F, BP)
-            wm.mma_ss(tiled_mma, tid, acc, s_kh, s_ds_t, False, True, dt)
-            dp_part = tiled_mma.get_slice(tid).partition_C(s_dp)
+            acc = self.mm.accumulator(tiled_mma, tid, F, BP)
+            coord = self.mm.coords(tiled_mma, tid, F, BP)
+            self.mm.mma_ss(tiled_mma, tid, acc, s_kh, s_ds_t, False, True, dt)
+            dp_part = self.mm.partition(tiled_mma, tid, s_dp)
             for e in cutlass.range_constexpr(cute.size(acc)):
                 f = coord[e][0]
                 acc[e] = acc[e] * s_gate[2, f] + dp_part[e]
-            wm.mma_ss(tiled_mma, tid, acc, s_a, s_dy_t, False, True, dt)
-            wm.mma_ss(tiled_mma, tid, acc_dkq, s_pv, s_dy, False, False, dt)
+            self.mm.mma_ss(tiled_mma, tid, acc, s_a, s_dy_t, False, True, dt)
+            self.mm.mma_ss(tiled_mma, tid, acc_dkq, s_pv, s_dy, False, False, dt)
             cute.arch.sync_threads()   # every thread has read s_dp
-            wm.to_smem(tiled_mma, tid, acc, s_dp)
+            self.mm.to_smem(tiled_mma, tid, acc, s_dp)
             cute.arch.sync_threads()
             # DV[t, p] = sum_r dPsiV[(t, r), p] Psi[r, p]; DMIMO_V's part sum_t dPsiV[(t, r), p] V[t, p].
             for it in cutlass.range(-(-C * BP // THREADS), unroll=1):
@@ -589,8 +641,8 @@ class Value(Views):
                 mdd[0, c, h, b] = total
 
         # lkq * dkq (in place, each element by the thread that holds it) and dkq's same-step entries.
-        lkq_part = tiled_mma.get_slice(tid).partition_C(s_lkq)
-        coord = wm.coords(tiled_mma, tid, F, F)
+        lkq_part = self.mm.partition(tiled_mma, tid, s_lkq)
+        coord = self.mm.coords(tiled_mma, tid, F, F)
         for e in cutlass.range_constexpr(cute.size(acc_dkq)):
             x, y = coord[e][0], coord[e][1]
             lkq_part[e] = lkq_part[e] * acc_dkq[e]

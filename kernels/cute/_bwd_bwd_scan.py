@@ -11,9 +11,11 @@ Grid (N/2/BJ * P/BP, H, B), 128 threads (4 warps). A CTA owns BJ rotary pairs (r
 N/2 + j0 + j of dS, stacked as the M = 2 BJ rows of one accumulator, so the rotation is elementwise
 between the two halves) and BP columns. Per chunk, the threads build q_hat^T (M x F, F = C*R fused
 rows t*R + r) and exp(DA_CS) dy (F x BP) in shared memory in the input dtype, and the 2 x 2 warps
-multiply them with warp-level mma.sync m16n8k16 (ldmatrix, transposed for both operands: q_hat^T is
-stored M-major and dy N-major, the orders the threads build them in). Warp MMA only, so the same code
-compiles for sm_90a and sm_120a / sm_121a.
+multiply them (q_hat^T is stored M-major and dy N-major, the orders the threads build them in) through
+the MMA helpers ``chunk.mma_module`` picks: warp-level mma.sync m16n8k16 (ldmatrix, transposed for both
+operands), which compiles for sm_90a and sm_120a / sm_121a; or, with PATH="wgmma" and SCAN_BJ = 32 (M =
+64 rows, wgmma's M), warpgroup MMA m64nNk16 with both operands MN-major from canonical swizzled buffers
+(kernels/cute/_wgmma.py; sm_90a only). Under PATH="wgmma" with SCAN_BJ = 16 the scan stays on mma.sync.
 
 With SCAN_PREP a kernel before it, ``Prep`` (grid (nc, H, B), 128 threads), builds those operands of
 every chunk at once, off the serial chain: q_hat * exp(DA_CS) (QS [B, H, nc, F, N]) and dy (DY [B, H, nc,
@@ -32,7 +34,6 @@ import cutlass.cute as cute
 
 from kernels.cute import _aot
 from kernels.cute import _bwd_bwd_chunk as chunk
-from kernels.cute import _warp_mma as wm
 from kernels.cute._aot import static_smem
 from lab.problems import _mamba3 as m3
 
@@ -58,11 +59,18 @@ def reason(config: dict, shape: dict) -> str | None:
     return None
 
 
+def layout(config: dict, shape: dict) -> chunk.Buffers:
+    """The scan's shared buffers: q_hat^T stored M-major ([F, 2 BJ]) and dy stored N-major ([F, BP]),
+    input dtype."""
+    F, m = shape["C"] * shape["R"], 2 * config["SCAN_BJ"]
+    return chunk.Buffers({"a": (F, m, 2), "b": (F, config["SCAN_BP"], 2)},
+                         operand_align=chunk.operand_align(config, "scan", m))
+
+
 def smem_bytes(config: dict, shape: dict, target: str) -> int:
-    """Shared memory of one CTA as the launch counts it: q_hat^T (2 BJ x F) and dy (F x BP) in the input
-    dtype, plus the static part (kernels/cute/_aot.py static_smem)."""
-    F = shape["C"] * shape["R"]
-    return 2 * F * (2 * config["SCAN_BJ"] + config["SCAN_BP"]) + static_smem(target)
+    """Shared memory of one CTA as the launch counts it: its buffers (``layout``: 2 F (2 BJ + BP) bytes)
+    plus the static part (kernels/cute/_aot.py static_smem)."""
+    return layout(config, shape).nbytes() + static_smem(target)
 
 
 class Prep(chunk.Views):
@@ -113,6 +121,8 @@ class Scan(chunk.Views):
         self.unroll = config["UNROLL"]
         self.prep = bool(config.get("SCAN_PREP", False))
         self.M = 2 * self.BJ
+        self.mm = chunk.mma_module(config, "scan", self.M)
+        self.buffers = layout(config, shape)
 
     @cute.jit
     def __call__(self, q: cute.Pointer, qb: cute.Pointer, ang: cute.Pointer, da: cute.Pointer,
@@ -122,24 +132,14 @@ class Scan(chunk.Views):
         t = (self.qk(q), self.per_rank(qb, self.N), self.step_head(ang, self.nr), self.per_step(da), self.dout(dout),
              self.per_rank(phi, P), self.step_head(z, P), self.per_rank(zeta, P), self.ops(qs, self.N),
              self.ops(dy, P), self.state(ds))
-        tiled_mma = wm.tiled(self.dt)
-        a_layout = cute.make_layout((self.M, self.F), stride=(1, self.M))      # q_hat^T, M-major
-        b_layout = cute.make_layout((self.BP, self.F), stride=(1, self.BP))    # dy as (N, K), N-major
-
-        @cute.struct
-        class Storage:
-            sA: cute.struct.Align[cute.struct.MemRange[self.dt, cute.cosize(a_layout)], 128]
-            sB: cute.struct.Align[cute.struct.MemRange[self.dt, cute.cosize(b_layout)], 128]
-
-        self.storage = Storage
+        self.storage = self.buffers.storage(self.dt)
         grid = ((self.NH // self.BJ) * (P // self.BP), self.H, self.B)
-        self.kernel(*t, tiled_mma, a_layout, b_layout).launch(
-            grid=grid, block=[THREADS, 1, 1], stream=stream)
+        self.kernel(*t, self.mm.tiled(self.dt)).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mq: cute.Tensor, mqb: cute.Tensor, mang: cute.Tensor, mda: cute.Tensor, mdo: cute.Tensor,
                mphi: cute.Tensor, mz: cute.Tensor, mzeta: cute.Tensor, mqs: cute.Tensor, mdy: cute.Tensor,
-               mds: cute.Tensor, tiled_mma: cute.TiledMma, a_layout: cute.Layout, b_layout: cute.Layout):
+               mds: cute.Tensor, tiled_mma: cute.TiledMma):
         tid, _, _ = cute.arch.thread_idx()
         tile, h, b = cute.arch.block_idx()
         BJ, BP, F, C, NH, nr = self.BJ, self.BP, self.F, self.C, self.NH, self.nr
@@ -149,24 +149,24 @@ class Scan(chunk.Views):
         g = h // (self.H // self.G)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.storage)
-        sA = storage.sA.get_tensor(a_layout)
-        sB = storage.sB.get_tensor(b_layout)
+        # q_hat^T as (M, F), M-major, and dy as (BP, F), N-major: transposed views of [F, M], [F, BP].
+        sA = self.mm.operand(self.buffers, storage, "a", F, self.M, self.dt, True)
+        sB = self.mm.operand(self.buffers, storage, "b", F, BP, self.dt, True)
 
-        thr_mma = tiled_mma.get_slice(tid)
         # This CTA's dS tile of one chunk as (M, BP): row m < BJ is pair row j0 + m, row BJ + m is N/2 + j0 + m.
         ds_layout = cute.make_layout(((BJ, 2), BP), stride=((self.P, NH * self.P), 1))
-        acc = wm.accumulator(tiled_mma, tid, self.M, BP)
+        acc = self.mm.accumulator(tiled_mma, tid, self.M, BP)
 
         for i in cutlass.range(self.nc, unroll=1):
             c = self.nc - 1 - i
             # dS_c: what the later chunks sent back (zero for the last chunk), in the input dtype.
             gds = cute.make_tensor(mds.iterator + (((b * self.H + h) * self.nc + c) * self.N + j0) * self.P + p0,
                                    ds_layout)
-            tCgds = thr_mma.partition_C(gds)
+            tCgds = self.mm.partition(tiled_mma, tid, gds)
             for e in cutlass.range_constexpr(cute.size(acc)):
                 tCgds[e] = acc[e].to(self.dt)
             a_last = cute.math.exp(mda[c * C + C - 1, h, b])
-            cute.arch.sync_threads()      # the previous chunk's ldmatrix reads are done
+            cute.arch.sync_threads()      # the previous chunk's operand reads are done
             if cutlass.const_expr(self.prep):
                 for it in cutlass.range(F * BJ // THREADS, unroll=self.unroll):
                     f, j, r, s = self.element(it, tid, BJ, c)
@@ -193,9 +193,10 @@ class Scan(chunk.Views):
                     pp = p0 + p
                     d = self.dy(mdo, mphi, mz, mzeta, pp, h, r, s, b)
                     sB[p, f] = (d * cute.math.exp(mda[s, h, b])).to(self.dt)
+            self.mm.publish()
             cute.arch.sync_threads()
             acc.store(acc.load() * a_last)
-            wm.mma_ss(tiled_mma, tid, acc, sA, sB, True, True, self.dt)   # q_hat^T M-major, dy N-major
+            self.mm.mma_ss(tiled_mma, tid, acc, sA, sB, True, True, self.dt)   # q_hat^T M-major, dy N-major
 
 
 def arg_kinds(shape: dict, kernel: str = "scan") -> tuple:

@@ -60,6 +60,21 @@ def from_smem(tiled_mma, tid, acc, s):
         acc[e] = part[e]
 
 
+def operand(buf, st, name: str, rows: int, cols: int, dt, transposed: bool = False):
+    """Buffer ``name`` ([rows, cols], row-major) of the storage ``st``: a (rows, cols) view, or with
+    ``transposed`` the (cols, rows) view of the same elements (read M- / N-major by ldmatrix.trans)."""
+    return buf.tensor(st, name, col_major(cols, rows) if transposed else row_major(rows, cols))
+
+
+def publish():
+    """Nothing to order: ldmatrix reads shared memory through the generic proxy, after the barrier."""
+
+
+def partition(tiled_mma, tid, t):
+    """This thread's elements of ``t`` (M x N) in the order of its accumulator of an M x N product."""
+    return tiled_mma.get_slice(tid).partition_C(t)
+
+
 def row_major(rows: int, cols: int):
     return cute.make_layout((rows, cols), stride=(cols, 1))
 

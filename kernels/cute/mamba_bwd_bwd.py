@@ -1,5 +1,6 @@
 """CuTe DSL lane for mamba_bwd_bwd (the Mamba-3 MIMO backward kernel "bwd_bwd"): four kernels, the
-Triton lane's decomposition (kernels/triton/mamba_bwd_bwd.py), every product on warp-level mma.sync.
+Triton lane's decomposition (kernels/triton/mamba_bwd_bwd.py), the products on warp-level mma.sync or,
+on sm_90a with PATH="wgmma", the chunk kernels' on warpgroup MMA.
 
 1. dS scan (kernels/cute/_bwd_bwd_scan.py): grid (tiles of dS, H, B), chunks last to first. With
    SCAN_PREP a kernel before it (Prep, grid (nc, H, B)) writes its operands of every chunk, q_hat *
@@ -11,15 +12,28 @@ Triton lane's decomposition (kernels/triton/mamba_bwd_bwd.py), every product on 
 3. Value side (Value): grid (nc, H, B): DV, DSSDA, DGAMMA_DIAG, the per-step sums, DMIMO_V / DD parts.
 4. Reduce: grid (H, B): DMIMO_V and DD over chunks.
 
-One code path: warp MMA (m16n8k16, ldmatrix from shared memory), which sm_90a, sm_120a and sm_121a all
-run, so what a GB10 would run is what the H100 parity-checks and times. The sm_90a path with warpgroup
-MMA and TMA that issue 23 asks for is not written yet. Compiled for sm_90a and sm_121a at every named
-shape, and the kernels' own bodies match the reference on all 12 outputs when run on the CPU stand-in
-for CuTe DSL (tests/test_cute_mamba.py, tests/cute_standin.py). On the H100 (2026-11-26, commit dcc3287)
-scripts/cute_bwd_check.py found every kernel's outputs within their bands at every named shape, and the
-lab's sweeps parity-checked every trial (results/logs/20261126T083114Z-mamba_bwd_bwd-h100-1717-log.txt).
+Two code paths for the chunk kernels' products, the tunable PATH:
+  mma_sync (default)  warp MMA (m16n8k16 on 2 x 2 warps, ldmatrix from shared memory, kernels/cute/
+                      _warp_mma.py), which sm_90a, sm_120a and sm_121a all run, so what a GB10 runs is
+                      what the H100 parity-checks and times.
+  wgmma               sm_90a only (target_reason refuses it elsewhere), C*R = 64 only (config_reason):
+                      every product of the key side (the P loop's dkq, dks, dqs; dk_hat, dq_hat; the DK
+                      and DQ products) and of the value side (lkq; k_hat dS and A dy of dPsiV; dkq) on
+                      warpgroup MMA m64nNk16, both operands by descriptor from shared memory in canonical
+                      swizzled layouts (kernels/cute/_wgmma.py), the CTA's 128 threads one warpgroup; the
+                      scan's product (q_hat^T dy) too when SCAN_BJ = 32 (its M = 2 SCAN_BJ rows must be
+                      64; with SCAN_BJ = 16 it stays on mma_sync). Prep and Reduce multiply nothing. No
+                      TMA yet.
+The mma_sync path is compiled for sm_90a and sm_121a at every named shape, and the kernels' own bodies
+match the reference on all 12 outputs when run on the CPU stand-in for CuTe DSL (tests/test_cute_mamba.py,
+tests/cute_standin.py). On the H100 (2026-11-26, commit dcc3287) scripts/cute_bwd_check.py found every
+kernel's outputs within their bands at every named shape, and the lab's sweeps parity-checked every trial
+(results/logs/20261126T083114Z-mamba_bwd_bwd-h100-1717-log.txt). The wgmma path (2026-11-28) is compiled
+for sm_90a at every named shape with C*R = 64 (its PTX holds wgmma, no mma.sync) and checked on the
+stand-in; it has not run on a GPU yet.
 
 Tunables (values in sweeps/mamba_bwd_bwd/cute.toml):
+  PATH               "mma_sync" or "wgmma" (above)
   SCAN_BJ, SCAN_BP   dS tile of one scan CTA: SCAN_BJ rotary pairs (2 SCAN_BJ rows) x SCAN_BP columns
   KEY_BJ             rotary pairs per key-side CTA (its products are F x 2 KEY_BJ)
   KEY_BP, BLOCK_P    P columns per step of the key side's and the value side's P loops
@@ -28,8 +42,9 @@ Tunables (values in sweeps/mamba_bwd_bwd/cute.toml):
                      the global loads in flight per thread, against registers
   SCAN_PREP          the scan's operands built by Prep first, off its serial chain, and dy read by the
                      chunk kernels from them (above)
-Shared memory per CTA (bytes) is what each kernel's buffers take (smem_kernels); the largest is the
-lane's figure. Every kernel runs 128 threads.
+Shared memory per CTA (bytes) is what each kernel's buffers take (smem_kernels; under wgmma the operand
+buffers are 1024-byte aligned, which adds up to 768 B); the largest is the lane's figure. Every kernel
+runs 128 threads.
 """
 from __future__ import annotations
 
@@ -47,8 +62,10 @@ from lab.problems import _mamba3 as m3
 
 DSL = "cute"
 KERNEL = "mamba_bwd_bwd"
-TUNABLES = ("SCAN_BJ", "SCAN_BP", "KEY_BJ", "KEY_BP", "BLOCK_P", "UNROLL", "SCAN_PREP")
-DEFAULTS = {"SCAN_BJ": 16, "SCAN_BP": 32, "KEY_BJ": 16, "KEY_BP": 32, "BLOCK_P": 32, "UNROLL": 2, "SCAN_PREP": False}
+TUNABLES = ("PATH", "SCAN_BJ", "SCAN_BP", "KEY_BJ", "KEY_BP", "BLOCK_P", "UNROLL", "SCAN_PREP")
+DEFAULTS = {"PATH": "mma_sync", "SCAN_BJ": 16, "SCAN_BP": 32, "KEY_BJ": 16, "KEY_BP": 32, "BLOCK_P": 32, "UNROLL": 2,
+            "SCAN_PREP": False}
+PATHS = ("mma_sync", "wgmma")
 TARGETS = scan.TARGETS
 F32 = cutlass.Float32
 _DT = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -61,10 +78,14 @@ def config_reason(config: dict, shape: dict) -> str | None:
     F = C * R
     if shape["dtype"] not in _DT:
         return f"dtype {shape['dtype']}: the products run on bf16 / fp16 mma.sync"
+    if c["PATH"] not in PATHS:
+        return f"PATH {c['PATH']!r} is not a path of this lane (have {', '.join(PATHS)})"
     if H % G:
         return f"H={H} must be a multiple of G={G}"
     if F not in (32, 64):
         return f"C*R={F}: the chunk kernels take 32 or 64 fused rows (F x F products of 2 x 2 warps, in registers)"
+    if c["PATH"] == "wgmma" and F != chunk.wg.M:
+        return f"C*R={F}: PATH=wgmma takes {chunk.wg.M} fused rows (the M of one warpgroup's m64nNk16)"
     if N % 32:
         return f"N={N} must be a multiple of 32"
     if P % 32:
@@ -82,6 +103,17 @@ def config_reason(config: dict, shape: dict) -> str | None:
 def eligibility(target: str) -> str | None:
     if target not in TARGETS:
         return f"cute mamba_bwd_bwd has no path for {target} (warp mma.sync; has {', '.join(TARGETS)})"
+    return None
+
+
+def target_reason(config: dict, target: str) -> str | None:
+    """Config rules that depend on the compile target: PATH=wgmma only on sm_90a."""
+    reason = eligibility(target)
+    if reason:
+        return reason
+    path = {**DEFAULTS, **config}["PATH"]
+    if path == "wgmma" and _targets.cc(target) != 90:
+        return f"ineligible: PATH=wgmma requires sm_90a (warpgroup MMA); target is {target}"
     return None
 
 
@@ -147,7 +179,7 @@ def kernel_names(config: dict) -> tuple:
 
 def _refuse(config: dict, shape: dict, target: str) -> dict:
     config = {**DEFAULTS, **config}
-    why = config_reason(config, shape) or eligibility(target)
+    why = config_reason(config, shape) or target_reason(config, target)
     if why:
         raise ValueError(f"cannot compile for {target}: {why}")
     return config
