@@ -30,7 +30,8 @@ tests/cute_standin.py). On the H100 (2026-11-26, commit dcc3287) scripts/cute_bw
 kernel's outputs within their bands at every named shape, and the lab's sweeps parity-checked every trial
 (results/logs/20261126T083114Z-mamba_bwd_bwd-h100-1717-log.txt). The wgmma path (2026-11-28) is compiled
 for sm_90a at every named shape with C*R = 64 (its PTX holds wgmma, no mma.sync) and checked on the
-stand-in; it has not run on a GPU yet.
+stand-in; on the H200 (2026-11-28) every trial of both paths was parity-ok on all 12 outputs at the four
+default shapes (run 20261128T105204Z-mamba_bwd_bwd-h200-759).
 
 Tunables (values in sweeps/mamba_bwd_bwd/cute.toml):
   PATH               "mma_sync" or "wgmma" (above)
