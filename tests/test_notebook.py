@@ -39,7 +39,7 @@ def test_notebook_runs_on_the_committed_results(monkeypatch):
     monkeypatch.delenv("LAB_RESULTS", raising=False)
     outs = _execute(ROOT / "results")  # where Jupyter starts a kernel for this notebook
     df = registry.registered_rows(load(ROOT / "results"))
-    groups = analysis.convergence(df).groupby(["requested_profile", "emulated", "kernel"]).ngroups
+    groups = analysis.convergence(df).groupby(["requested_profile", "emulated", "actual_gpu", "kernel"]).ngroups
     assert f"{len(df)} rows" in _text(outs["setup"])
     assert {s: _pngs(outs[s]) for s in SECTIONS} == {
         "best-lanes": 0, "relative-speed": 1, "h100-vs-gb10": 1, "parity": 1, "convergence": groups, "smem": 1}
