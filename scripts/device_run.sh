@@ -39,6 +39,19 @@ fi
 if [ -d /tmp/labgit ]; then
   export GIT_DIR=/tmp/labgit LAB_GIT_COMMIT="${LAB_GIT_COMMIT:-$(GIT_DIR=/tmp/labgit git rev-parse --short HEAD)}"
 fi
+# Rows of an earlier call on this warm machine, at the same commit and branch, come back into results/
+# before the commands run (and are kept after each one), so that a later call's --seed-best and resumed
+# studies see them: each call starts from a fresh tree, and on 2026-11-28 a confirm in a second call
+# seeded two lanes with older bests because the first call's sweeps were absent from its tree.
+# `lab merge` of several such calls is unchanged (it skips rows and trials the checkout already has).
+keep=""
+if [ -n "${LAB_GIT_COMMIT:-}" ]; then
+  keep="${LAB_KEEP_DIR:-/tmp/labkeep}/${LAB_BRANCH:-tree}-${LAB_GIT_COMMIT}"
+  if [ -d "$keep/results" ]; then
+    mkdir -p results && cp -a "$keep/results/." results/ \
+      && echo "results/: an earlier call's rows at ${LAB_GIT_COMMIT} restored from $keep" | tee -a "$OUT/log.txt"
+  fi
+fi
 # TileLang finds nvcc through CUDA_HOME.
 [ -z "${CUDA_HOME:-}" ] && [ -d /usr/local/cuda ] && export CUDA_HOME=/usr/local/cuda
 {
@@ -79,5 +92,9 @@ for cmd in "$@"; do
   [ "$r" -ne 0 ] && rc=$r
   # Packed after every command: a call killed at its limit still brings back what finished before.
   tar czf "$OUT/results.tgz.part" results && mv "$OUT/results.tgz.part" "$OUT/results.tgz"
+  if [ -n "$keep" ]; then
+    mkdir -p "$keep" && rm -rf "$keep/results.part" && cp -a results "$keep/results.part" \
+      && rm -rf "$keep/results" && mv "$keep/results.part" "$keep/results"
+  fi
 done
 exit $rc

@@ -1,6 +1,7 @@
 """scripts/device_run.sh on the CPU: with LAB_CALL_BUDGET each command gets at most what is left of the
 call (less the stop-and-pack margin), a command with nothing left is skipped, and results.tgz is packed
-after every command that ran."""
+after every command that ran; a later call on the same warm machine at the same commit starts from the
+earlier call's results/."""
 import os
 import shutil
 import subprocess
@@ -40,3 +41,47 @@ def test_call_budget_cuts_and_skips_commands_and_keeps_the_packed_results(tmp_pa
     assert r.returncode == 124
     with tarfile.open(out / "results.tgz") as tgz:
         assert "results/a.txt" in tgz.getnames()
+
+
+def _call(tree: Path, out: Path, keep: Path, branch: str, *cmds: str) -> str:
+    env = {**os.environ, "OUT": str(out), "LAB_BRANCH": branch, "LAB_KEEP_DIR": str(keep)}
+    env.pop("LAB_CALL_BUDGET", None)
+    r = subprocess.run(["bash", "scripts/device_run.sh", *cmds], cwd=tree, env=env, capture_output=True, text=True,
+                       timeout=180)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    return (out / "log.txt").read_text()
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_a_later_call_on_the_warm_machine_sees_an_earlier_calls_rows_at_the_same_commit(tmp_path):
+    tree, keep = tmp_path / "tree", tmp_path / "keep"
+    (tree / "scripts").mkdir(parents=True)
+    (tree / "results").mkdir()
+    (tree / "results" / "committed.txt").write_text("row")
+    shutil.copy(ROOT / "scripts" / "device_run.sh", tree / "scripts" / "device_run.sh")
+    # A "command" that writes a row file, then lists what results/ holds.
+    (tree / "scripts" / "w.py").write_text(
+        "import pathlib, sys\n"
+        "pathlib.Path('results', sys.argv[1]).write_text('row')\n"
+        "print('holds', sorted(p.name for p in pathlib.Path('results').iterdir()))\n")
+    branch = f"keep-{tmp_path.name}"
+    git = ["git", "-c", "user.name=lab", "-c", "user.email=lab@example.invalid"]
+
+    def bundle():
+        (tree / ".gpu" / "git").mkdir(parents=True, exist_ok=True)
+        subprocess.run(["git", "bundle", "create", "-q", ".gpu/git/repo.bundle", branch], cwd=tree, check=True)
+
+    subprocess.run(["git", "init", "-q", "-b", branch], cwd=tree, check=True)
+    subprocess.run(git + ["add", "scripts", "results"], cwd=tree, check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "one"], cwd=tree, check=True)
+    bundle()
+    _call(tree, tmp_path / "c1", keep, branch, "scripts/w.py first.txt")
+    log = _call(tree, tmp_path / "c2", keep, branch, "scripts/w.py second.txt")
+    assert "holds ['committed.txt', 'first.txt', 'second.txt']" in log, log
+    with tarfile.open(tmp_path / "c2" / "results.tgz") as tgz:
+        assert {"results/first.txt", "results/second.txt"} <= set(tgz.getnames())
+    # Another commit starts from its own tree: the first commit's extra rows stay out.
+    subprocess.run(git + ["commit", "-q", "--allow-empty", "-m", "two"], cwd=tree, check=True)
+    bundle()
+    log = _call(tree, tmp_path / "c3", keep, branch, "scripts/w.py third.txt")
+    assert "holds ['committed.txt', 'third.txt']" in log, log
