@@ -60,6 +60,14 @@ def test_scan_prep_compiles_with_the_estimated_shared_memory(target, compiled):
 WGMMA = {**lane.DEFAULTS, "PATH": "wgmma"}
 
 
+def _ptx(kernel: str, cfg: dict, shape: dict, folder) -> str:
+    """The PTX of one of the lane's kernels compiled for sm_90a (dumped into ``folder``)."""
+    folder.mkdir(exist_ok=True)
+    lane._compile(kernel, cfg, shape, "sm_90a", f"--keep-ptx --dump-dir {folder}")
+    (ptx,) = [p.read_text() for p in folder.glob("*.ptx")]
+    return ptx
+
+
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_the_wgmma_path_compiles_for_sm90a_with_the_estimated_shared_memory(name):
     """PATH=wgmma: the key and value kernels (their products on wgmma) compile for sm_90a at every
@@ -87,10 +95,7 @@ def test_the_scan_runs_wgmma_at_scan_bj_32(tmp_path):
         cfg = {**WGMMA, "SCAN_BJ": bj}
         res = lane.compile_for(cfg, shape, "sm_90a", kernels=("scan",))
         assert res["smem_bytes"] == lane.smem_kernels(cfg, shape, "sm_90a")["scan"] and res["stack"] == 0, res
-        folder = tmp_path / str(bj)
-        folder.mkdir()
-        lane._compile("scan", cfg, shape, "sm_90a", f"--keep-ptx --dump-dir {folder}")
-        (ptx,) = [p.read_text() for p in folder.glob("*.ptx")]
+        ptx = _ptx("scan", cfg, shape, tmp_path / str(bj))
         assert ptx.count("wgmma.mma_async.sync.aligned.m64n32k16") == count
         assert ("mma.sync" in ptx) == (count == 0)
 
@@ -100,8 +105,7 @@ def test_the_wgmma_path_emits_warpgroup_mma(tmp_path):
     pair products at KEY_BJ = 16), none is mma.sync, and the operand stores are fenced for the async proxy."""
     from cutlass.cute.runtime import make_fake_stream  # noqa: F401 (the DSL is importable)
     shape = space.get_shape("mamba_bwd_bwd", "gb10")
-    lane._compile("key", WGMMA, shape, "sm_90a", f"--keep-ptx --dump-dir {tmp_path}")
-    (ptx,) = [p.read_text() for p in tmp_path.glob("*.ptx")]
+    ptx = _ptx("key", WGMMA, shape, tmp_path)
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16") == 2      # dkq: K = KEY_BP = 32
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16") == 2 * 2 + 4 * 4
     assert "mma.sync" not in ptx and "ldmatrix" not in ptx

@@ -431,8 +431,7 @@ class Key(Views):
         self.mm.mma_ss(tiled_mma, tid, acc, s_dkqm, op("qh", F, M2, True), False, True, dt)
         acc2 = self.mm.accumulator(tiled_mma, tid, F, M2)
         self.mm.from_smem(tiled_mma, tid, acc2, s_dqs)
-        self.mm.mma_ss(tiled_mma, tid, acc2, op("dkqm", F, F, True),
-                  op("kh", F, M2, True), True, True, dt)
+        self.mm.mma_ss(tiled_mma, tid, acc2, op("dkqm", F, F, True), op("kh", F, M2, True), True, True, dt)
         cute.arch.sync_threads()   # every thread has read s_dks, s_dqs
         self.mm.to_smem(tiled_mma, tid, acc, s_dks)
         self.mm.to_smem(tiled_mma, tid, acc2, s_dqs)
@@ -462,8 +461,7 @@ class Key(Views):
             acc3 = self.mm.accumulator(tiled_mma, tid, F, M2)
             if cutlass.const_expr(which == 0):
                 self.mm.from_smem(tiled_mma, tid, acc3, s_dks)
-                self.mm.mma_ss(tiled_mma, tid, acc3, op("dqk", F, F, True),
-                          op("q", F, M2, True), True, True, dt)
+                self.mm.mma_ss(tiled_mma, tid, acc3, op("dqk", F, F, True), op("q", F, M2, True), True, True, dt)
                 dst = cute.make_tensor(mdk.iterator + row0, out_layout)
             else:
                 self.mm.from_smem(tiled_mma, tid, acc3, s_dqs)
