@@ -85,3 +85,17 @@ def test_a_later_call_on_the_warm_machine_sees_an_earlier_calls_rows_at_the_same
     bundle()
     log = _call(tree, tmp_path / "c3", keep, branch, "scripts/w.py third.txt")
     assert "holds ['committed.txt', 'third.txt']" in log, log
+
+
+def test_ncu_lane_profiles_only_the_last_call_with_the_clocks_left_alone():
+    """scripts/ncu_lane.py's ncu command: the NVTX range scripts/call_lane.py opens around its last call
+    only, no clock locking, and the lane's arguments passed through."""
+    cmd = subprocess.run(["python3", "scripts/ncu_lane.py", "mamba_bwd_bwd", "cutile", "training",
+                          '{"SCAN_PREP":true}', "--dry-run"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert cmd[cmd.index("--clock-control") + 1] == "none"
+    assert cmd[cmd.index("--nvtx-include") + 1] == "lab_call/"
+    assert cmd[-6:] == [str(ROOT / "scripts" / "call_lane.py"), "mamba_bwd_bwd", "cutile", "training", "2",
+                        '{"SCAN_PREP":true}']
+    calls = (ROOT / "scripts" / "call_lane.py").read_text()
+    assert 'range_push("lab_call")' in calls and "range_pop()" in calls
