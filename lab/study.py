@@ -73,6 +73,40 @@ def _admin(server_url: str, *statements: str) -> None:
     admin.dispose()
 
 
+ORDER = "lab_order"   # system attribute: a queued config's place in the queue, kept when it is put back
+
+
+def order_of(trial) -> int:
+    """A queued (frozen) trial's place in the queue: its number, or the number of the first trial of its config's
+    line (a config retried after its worker died, or put back unmeasured, keeps its place)."""
+    return trial.system_attrs.get(ORDER, trial.number)
+
+
+def requeue(study, trial) -> None:
+    """Put ``trial``, a config popped from the queue and not measured, back as WAITING in its place: a new
+    trial with its fixed params and order; ``trial`` itself is failed. (Failed alone, its config was gone
+    for good: a resumed sweep enqueues its seeds with skip_if_exists, which a failed trial of the same
+    params satisfies.)"""
+    import optuna
+    try:
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+    except optuna.exceptions.UpdateFinishedTrialError:
+        return   # failed already by a worker that took it for dead; its retry is queued
+    frozen = study._storage.get_trial(trial._trial_id)
+    study.add_trial(optuna.create_trial(
+        state=optuna.trial.TrialState.WAITING, params=frozen.params, distributions=frozen.distributions,
+        system_attrs={**frozen.system_attrs, ORDER: order_of(frozen)}))
+
+
+def queued_ahead(study, trial) -> bool:
+    """Whether a WAITING trial comes before ``trial`` (popped from the queue) by ``order_of``. Optuna pops
+    the lowest trial number, but a retried or put-back config gets a new, higher number: its place is
+    its order."""
+    import optuna
+    mine = order_of(study._storage.get_trial(trial._trial_id))
+    return any(order_of(t) < mine for t in trials(study, (optuna.trial.TrialState.WAITING,)))
+
+
 def retry_callback():
     """Callback that enqueues a dead worker's config again (at most MAX_RETRY times).
 
@@ -88,7 +122,8 @@ def retry_callback():
             return
         study.add_trial(optuna.create_trial(
             state=optuna.trial.TrialState.WAITING, params=trial.params, distributions=trial.distributions,
-            system_attrs={"failed_trial": trial.number, **trial.system_attrs, "retry_history": history}))
+            system_attrs={"failed_trial": trial.number, **trial.system_attrs, "retry_history": history,
+                          ORDER: order_of(trial)}))
     return retry
 
 

@@ -5,6 +5,9 @@ measured again; cheap preflight checks (rules, target, SMEM estimate) reject inf
 without compiling; an AOT compile for the target profile (in a CPU process pool, overlapping the GPU
 timing of the previous candidate) verifies shared memory; the survivor is parity-checked and timed
 in a killable worker process. Every outcome is a row, written as soon as it exists.
+Queued configs (the request's seeds, the sweep file's, grid points) are measured in their queue order,
+also across runs: one compiled ahead and not measured when a run reaches its --trials, or cut by a kill,
+goes back in its place (``lab.study.requeue`` / ``order_of``), so the next run measures it first.
 Objective: median time in ms (minimized). Non-ok outcomes are told to Optuna as constraint
 violations with a penalty value, so TPE learns to avoid them.
 """
@@ -427,6 +430,14 @@ class Sweep:
                 pass  # failed already, by a worker that took it for dead
             beats.stop(trial)
 
+        def queued(trial) -> bool:
+            """Whether ``trial`` was popped from the queue (a seed, a grid point, a retry), not proposed."""
+            return "fixed_params" in study._storage.get_trial_system_attrs(trial._trial_id)
+
+        def put_back(trial):
+            study_mod.requeue(study, trial)
+            beats.stop(trial)
+
         def more() -> bool:
             study_mod.fail_stale(study)  # a worker that died meanwhile: its config goes back in the queue
             # Other workers' measurements count toward the target, and so do the configs they hold now.
@@ -468,6 +479,9 @@ class Sweep:
                         taken_for_dead(trial)
                         stale += 1
                         continue
+                    if queued(trial) and study_mod.queued_ahead(study, trial):
+                        put_back(trial)   # a config retried or put back waits ahead of it: that one first
+                        continue
                     cfg = lane.full_config(dict(trial.params))
                     key = space_mod.config_key(cfg)
                     if key in measured or key in pending or key in rejected_by_compile or key in rejected_cheap:
@@ -493,7 +507,7 @@ class Sweep:
                         stale += 1
                         continue
                     if owner is None and study_mod.rank(study, trial) >= target:
-                        drop(trial)  # workers that claimed earlier fill the target
+                        put_back(trial) if queued(trial) else drop(trial)  # workers that claimed earlier fill the target
                         break
                     if owner is not None:  # another worker holds this config
                         stale += 1
@@ -567,8 +581,8 @@ class Sweep:
                     best_val = value
                 bar.update(1)
                 bar.set_postfix_str(f"best {best_val:.4f} ms" if best_val else "best -", refresh=False)
-            for trial, *_ in queue:
-                drop(trial)
+            for trial, *_ in queue:   # prefetched, not measured: a queued config goes back in its place
+                put_back(trial) if queued(trial) else drop(trial)
         finally:  # also when the loop fails: a held trial beats no longer, so another worker retries it
             beats.stop_all()
         bar.close()

@@ -406,3 +406,61 @@ def test_a_stalled_sampler_in_a_counted_space_gets_the_feasible_configs_it_misse
     assert any("enqueueing the" in str(line) for line in lines), lines
     df = load(lab_env.results)
     assert len(df[(df["phase"] == "sweep") & (df["status"] == "ok")]) == 6
+
+
+_SEEDS = [{"MODE": "ok", "SMEM_KB": kb, "SPEED": sp, "ESTIMATE_BIAS_KB": 0} for kb, sp in ((16, 3), (32, 2), (48, 1), (64, 3))]
+
+
+def _seeded_space(env):
+    (env.sweeps / "gemm" / "sim.toml").write_text(
+        '[params]\nMODE = ["ok", "slow"]\nSMEM_KB = [16, 32, 48, 64]\nSPEED = [1, 2, 3]\nESTIMATE_BIAS_KB = [0]\n'
+        + "".join("\n[[seed]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in s.items()) for s in _SEEDS))
+
+
+def _picked(seen):
+    return [{k: c[k] for k in _SEEDS[0]} for c in seen]
+
+
+def test_seeds_prefetched_and_not_measured_are_the_next_runs_first(lab_env):
+    """A run that stops at its --trials with seeds compiled ahead puts them back in the queue in their
+    places: the next run measures them first, in the file's order. (They were failed: a resumed run then
+    never measured them, since a failed trial of the same params kept the seed from being enqueued again.)"""
+    from lab import sweep
+    _seeded_space(lab_env)
+    runner = SimRunner()
+    sweep.run(_request(lab_env, sampler="tpe", trials=1, seed=5, prefetch=2, compile_workers=1), present_h100(),
+              runner=runner, out=lambda *_: None)
+    assert _picked(runner.seen) == _SEEDS[:1]
+    sweep.run(_request(lab_env, sampler="tpe", trials=4, seed=6, prefetch=2, compile_workers=1), present_h100(),
+              runner=runner, out=lambda *_: None)
+    assert _picked(runner.seen) == _SEEDS, runner.seen
+
+
+class _KilledAt(SimRunner):
+    """A sweep killed while it measures its ``n``-th config (KeyboardInterrupt: what SIGINT raises)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.n = n
+
+    def run(self, task, timeout_s):
+        if task.get("kind") != "abab" and len(self.seen) + 1 == self.n:
+            raise KeyboardInterrupt
+        return super().run(task, timeout_s)
+
+
+def test_a_config_cut_by_a_kill_is_the_resumed_runs_first(lab_env):
+    """The config a killed sweep was measuring is failed and retried under a new trial number; it keeps its
+    place in the queue, so the resumed run measures it before the seeds queued after it (it came after
+    them, and a resumed run with few --trials measured later seeds instead: cuTile, GB10 profile, training,
+    2026-11-28, runs 20261128T123727Z-...-1809 and 20261128T124835Z-...-3600)."""
+    from lab import sweep
+    _seeded_space(lab_env)
+    killed = _KilledAt(2)
+    with pytest.raises(KeyboardInterrupt):
+        sweep.run(_request(lab_env, sampler="tpe", trials=4, seed=5), present_h100(), runner=killed,
+                  out=lambda *_: None)
+    assert _picked(killed.seen) == _SEEDS[:1]
+    runner = SimRunner()
+    sweep.run(_request(lab_env, sampler="tpe", trials=3, seed=6), present_h100(), runner=runner, out=lambda *_: None)
+    assert _picked(runner.seen) == _SEEDS[1:3], runner.seen
