@@ -4,6 +4,7 @@ after every command that ran; a later call on the same warm machine at the same 
 earlier call's results/."""
 import os
 import shutil
+import signal
 import subprocess
 import tarfile
 import time
@@ -99,3 +100,44 @@ def test_ncu_lane_profiles_only_the_last_call_with_the_clocks_left_alone():
                         '{"SCAN_PREP":true}']
     calls = (ROOT / "scripts" / "call_lane.py").read_text()
     assert 'range_push("lab_call")' in calls and "range_pop()" in calls
+
+
+def _fake_command(tmp_path) -> Path:
+    script = tmp_path / "fake.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "signal.signal(signal.SIGINT, lambda *a: (print('saved', flush=True), sys.exit(130)))\n"
+        "print('on', os.environ['CUDA_VISIBLE_DEVICES'], os.environ['LAB_GPU_INDEX'], time.time(), flush=True)\n"
+        "time.sleep(float(sys.argv[1]))\n"
+        "print('done', time.time(), flush=True)\n"
+        "sys.exit(int(sys.argv[2]))\n")
+    return script
+
+
+def test_on_gpus_runs_commands_side_by_side_one_per_gpu(tmp_path):
+    """scripts/on_gpus.py with two GPUs and three commands: the first two start together on GPUs 0 and 1,
+    the third on the GPU that frees first; every line is tagged; the exit status is the failing one's."""
+    fake = _fake_command(tmp_path)
+    env = {**os.environ, "LAB_GPUS": "2"}
+    out = subprocess.run(["python3", "scripts/on_gpus.py", f"{fake} 1.5 0", f"{fake} 0.3 0", f"{fake} 0.3 3"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3, out.stdout + out.stderr
+    on = {line.split("]")[0][1:]: float(line.split()[-1]) for line in out.stdout.splitlines() if " on " in line}
+    done = {line.split("]")[0][1:]: float(line.split()[-1]) for line in out.stdout.splitlines() if " done " in line}
+    assert set(on) == {"1 gpu0", "2 gpu1", "3 gpu1"}, out.stdout
+    assert abs(on["1 gpu0"] - on["2 gpu1"]) < 1.0                 # side by side
+    assert on["3 gpu1"] >= done["2 gpu1"] and on["3 gpu1"] < done["1 gpu0"]   # GPU 1's next, while GPU 0 works
+    assert "[1 gpu0] on 0 0" in out.stdout and "[3 gpu1] exit 3" in out.stdout
+
+
+def test_on_gpus_passes_an_interrupt_on_to_every_running_command(tmp_path):
+    """SIGINT (device_run.sh's time limit) reaches each running command, which saves and exits; none is
+    started after it."""
+    fake = _fake_command(tmp_path)
+    proc = subprocess.Popen(["python3", "scripts/on_gpus.py", f"{fake} 30 0", f"{fake} 30 0", f"{fake} 30 0"],
+                            cwd=ROOT, env={**os.environ, "LAB_GPUS": "2"}, stdout=subprocess.PIPE, text=True)
+    time.sleep(3)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    assert out.count("saved") == 2 and "[3 " not in out, out
+    assert proc.returncode == 130
