@@ -2,8 +2,11 @@
 command cannot spread over GPUs itself (`lab sweep --gpus` can; `lab gate --run` and `lab profile` cannot).
 
     python scripts/on_gpus.py 'gate --run --device h200 --dsl tilelang --shape training' 'profile ...'
+    python scripts/on_gpus.py gate --run --device h200 --shape training :: profile ...
 
-Each argument is one `python -m lab ...` command line (or a `*.py` script and its arguments). A command
+Each argument is one `python -m lab ...` command line (or a `*.py` script and its arguments); or, where
+any argument is `::`, the commands are the words between them (scripts/device_run.sh splits a command
+line into words, so quoted commands do not survive it). A sweep gets --no-progress. A command
 runs with CUDA_VISIBLE_DEVICES (and LAB_GPU_INDEX, which its rows record) set to the GPU it got; a GPU
 takes the next command when its own ends. LAB_GPUS overrides the GPU count (default: nvidia-smi's).
 Output lines are prefixed with the command's number and GPU. SIGINT / SIGTERM (scripts/device_run.sh's
@@ -27,12 +30,30 @@ def gpu_count() -> int:
     return max(1, sum(line.startswith("GPU ") for line in out.splitlines()))
 
 
+def split(args: list[str]) -> list[str]:
+    """The command lines in ``args``: each argument, or the words between ``::`` separators."""
+    if "::" not in args:
+        return list(args)
+    out, words = [], []
+    for a in args + ["::"]:
+        if a == "::":
+            if words:
+                out.append(shlex.join(words))
+            words = []
+        else:
+            words.append(a)
+    return out
+
+
 def argv(command: str) -> list[str]:
     words = shlex.split(command)
-    return [sys.executable, *words] if words[0].endswith(".py") else [sys.executable, "-m", "lab", *words]
+    if words[0].endswith(".py"):
+        return [sys.executable, *words]
+    return [sys.executable, "-m", "lab", *words, *(["--no-progress"] if words[0] == "sweep" else [])]
 
 
-def main(commands: list[str]) -> int:
+def main(args: list[str]) -> int:
+    commands = split(args)
     if not commands:
         raise SystemExit(__doc__.strip().splitlines()[2].strip())
     pending = list(enumerate(commands, 1))

@@ -141,3 +141,17 @@ def test_on_gpus_passes_an_interrupt_on_to_every_running_command(tmp_path):
     out, _ = proc.communicate(timeout=30)
     assert out.count("saved") == 2 and "[3 " not in out, out
     assert proc.returncode == 130
+
+
+def test_on_gpus_takes_commands_between_separators_as_device_run_passes_them():
+    """device_run.sh splits a command line into words: `::` separates the commands; a sweep gets
+    --no-progress."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("on_gpus", ROOT / "scripts" / "on_gpus.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    words = "sweep mamba_bwd_bwd --config {\"A\":1} :: gate --run --shape gb10 ::".split()
+    assert mod.split(words) == ['sweep mamba_bwd_bwd --config \'{"A":1}\'', "gate --run --shape gb10"]
+    assert mod.split(["profile a", "check b"]) == ["profile a", "check b"]
+    assert mod.argv(mod.split(words)[0])[-3:] == ["--config", '{"A":1}', "--no-progress"]
+    assert mod.argv("gate --run")[-1] == "--run"
