@@ -98,6 +98,21 @@ def requeue(study, trial) -> None:
         system_attrs={**frozen.system_attrs, ORDER: order_of(frozen)}))
 
 
+def enqueue(study, params: dict) -> None:
+    """Queue ``params`` unless a trial of the same params is waiting, running or complete. A failed one
+    does not count (Optuna's skip_if_exists counts it): a config put back (``requeue``) or retried leaves
+    a failed trial beside its waiting copy, and ``lab merge`` brings back the failed trial but not the
+    waiting one (a worker that is gone queued it), so the next run would never queue that config again."""
+    import optuna
+    from lab.space import same_value
+    states = (optuna.trial.TrialState.WAITING, optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.COMPLETE)
+    for t in trials(study, states):
+        have = t.system_attrs.get("fixed_params", t.params)
+        if have.keys() == params.keys() and all(same_value(have[k], v) for k, v in params.items()):
+            return
+    study.enqueue_trial(params)
+
+
 def queued_ahead(study, trial) -> bool:
     """Whether a WAITING trial comes before ``trial`` (popped from the queue) by ``order_of``. Optuna pops
     the lowest trial number, but a retried or put-back config gets a new, higher number: its place is

@@ -352,10 +352,10 @@ class Sweep:
                 self.out(f"{lane.dsl:8s} {shape_name}: seed not in {space.where} ({', '.join(unlisted)}): "
                          f"not a trial of this sweep")
                 continue
-            study.enqueue_trial(cfg, skip_if_exists=True)
+            study_mod.enqueue(study, cfg)
             seeded.add(space_mod.config_key(cfg))
         for seed_cfg in space.seeds:  # known-good starting points from the sweep file
-            study.enqueue_trial(seed_cfg, skip_if_exists=True)
+            study_mod.enqueue(study, seed_cfg)
         if fresh and req.sampler == "grid":
             for cfg in space.configs():
                 study.enqueue_trial(cfg, skip_if_exists=True)

@@ -464,3 +464,24 @@ def test_a_config_cut_by_a_kill_is_the_resumed_runs_first(lab_env):
     runner = SimRunner()
     sweep.run(_request(lab_env, sampler="tpe", trials=3, seed=6), present_h100(), runner=runner, out=lambda *_: None)
     assert _picked(runner.seen) == _SEEDS[1:3], runner.seen
+
+
+def test_seeds_put_back_are_queued_again_after_lab_merge(lab_env, tmp_path):
+    """`lab merge` brings a call's finished trials home, not its waiting ones: the seeds a run compiled
+    ahead and put back arrive as failed trials only. The next run (on the merged database) queues them
+    again and measures them first."""
+    import optuna
+    from lab import sweep
+    from lab.merge import Summary, merge_studies
+    _seeded_space(lab_env)
+    runner = SimRunner()
+    sweep.run(_request(lab_env, sampler="tpe", trials=1, seed=5, prefetch=2, compile_workers=1), present_h100(),
+              runner=runner, out=lambda *_: None)
+    home = tmp_path / "home"
+    db = home / "h100" / "gemm" / "optuna.db"
+    db.parent.mkdir(parents=True)
+    optuna.storages.RDBStorage(f"sqlite:///{db}")    # the checkout's (empty) study database
+    merge_studies(lab_env.results / "h100" / "gemm" / "optuna.db", db, "h100/gemm/optuna.db", Summary())
+    sweep.run(_request(lab_env, sampler="tpe", trials=4, seed=6, results_dir=home), present_h100(), runner=runner,
+              out=lambda *_: None)
+    assert _picked(runner.seen) == _SEEDS, runner.seen
