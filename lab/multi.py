@@ -49,13 +49,18 @@ def worker_argv(argv: list[str], compile_workers: int) -> list[str]:
     return out + ["--compile-workers", str(compile_workers), "--no-progress"]
 
 
+def gpu_env(gpu: int) -> dict:
+    """The environment of a process pinned to GPU ``gpu``: CUDA_VISIBLE_DEVICES, and LAB_GPU_INDEX, which its
+    rows record."""
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu), "LAB_GPU_INDEX": str(gpu)}
+
+
 def run_workers(argv: list[str], gpus: list[int], compile_workers: int, out=print) -> int:
     """Start one worker per GPU, prefix each output line with its GPU, wait; the worst exit status."""
     share = max(1, min(compile_workers, (os.cpu_count() or 1) // len(gpus)))
     procs = []
     for g in gpus:
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(g), "LAB_GPU_INDEX": str(g)}
-        procs.append((g, subprocess.Popen([sys.executable, "-m", "lab", *worker_argv(argv, share)], env=env,
+        procs.append((g, subprocess.Popen([sys.executable, "-m", "lab", *worker_argv(argv, share)], env=gpu_env(g),
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)))
     lock = threading.Lock()
 

@@ -92,10 +92,16 @@ def requeue(study, trial) -> None:
         study.tell(trial, state=optuna.trial.TrialState.FAIL)
     except optuna.exceptions.UpdateFinishedTrialError:
         return   # failed already by a worker that took it for dead; its retry is queued
-    frozen = study._storage.get_trial(trial._trial_id)
+    _queue_again(study, study._storage.get_trial(trial._trial_id))
+
+
+def _queue_again(study, frozen, **attrs) -> None:
+    """A WAITING copy of the finished trial ``frozen`` (its params, system attributes and order) with ``attrs``
+    added; none of its user attributes (a worker's claim, host, pid)."""
+    import optuna
     study.add_trial(optuna.create_trial(
         state=optuna.trial.TrialState.WAITING, params=frozen.params, distributions=frozen.distributions,
-        system_attrs={**frozen.system_attrs, ORDER: order_of(frozen)}))
+        system_attrs={**frozen.system_attrs, **attrs, ORDER: order_of(frozen)}))
 
 
 def enqueue(study, params: dict) -> None:
@@ -131,14 +137,12 @@ def retry_callback():
     between the new holder's identity writes (_recover_dead_trials), and be failed and retried again
     while its config is being measured."""
     def retry(study, trial) -> None:
-        import optuna
         history = [*trial.system_attrs.get("retry_history", []), trial.number]
         if len(history) > MAX_RETRY:
             return
-        study.add_trial(optuna.create_trial(
-            state=optuna.trial.TrialState.WAITING, params=trial.params, distributions=trial.distributions,
-            system_attrs={"failed_trial": trial.number, **trial.system_attrs, "retry_history": history,
-                          ORDER: order_of(trial)}))
+        # failed_trial names the line's first failed trial (a retry's own attribute is kept)
+        _queue_again(study, trial, failed_trial=trial.system_attrs.get("failed_trial", trial.number),
+                     retry_history=history)
     return retry
 
 

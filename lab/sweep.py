@@ -438,6 +438,10 @@ class Sweep:
             study_mod.requeue(study, trial)
             beats.stop(trial)
 
+        def release(trial):
+            """A trial held and not measured: a queued config goes back in its place, a proposal is failed."""
+            put_back(trial) if queued(trial) else drop(trial)
+
         def more() -> bool:
             study_mod.fail_stale(study)  # a worker that died meanwhile: its config goes back in the queue
             # Other workers' measurements count toward the target, and so do the configs they hold now.
@@ -507,7 +511,7 @@ class Sweep:
                         stale += 1
                         continue
                     if owner is None and study_mod.rank(study, trial) >= target:
-                        put_back(trial) if queued(trial) else drop(trial)  # workers that claimed earlier fill the target
+                        release(trial)  # workers that claimed earlier fill the target
                         break
                     if owner is not None:  # another worker holds this config
                         stale += 1
@@ -581,8 +585,8 @@ class Sweep:
                     best_val = value
                 bar.update(1)
                 bar.set_postfix_str(f"best {best_val:.4f} ms" if best_val else "best -", refresh=False)
-            for trial, *_ in queue:   # prefetched, not measured: a queued config goes back in its place
-                put_back(trial) if queued(trial) else drop(trial)
+            for trial, *_ in queue:   # prefetched, not measured
+                release(trial)
         finally:  # also when the loop fails: a held trial beats no longer, so another worker retries it
             beats.stop_all()
         bar.close()

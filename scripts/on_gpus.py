@@ -22,6 +22,8 @@ import subprocess
 import sys
 import threading
 
+from lab.multi import gpu_env
+
 
 def gpu_count() -> int:
     if os.environ.get("LAB_GPUS"):
@@ -74,8 +76,7 @@ def main(args: list[str]) -> int:
                 if not pending:
                     return
                 i, command = pending.pop(0)
-                env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu), "LAB_GPU_INDEX": str(gpu)}
-                proc = subprocess.Popen(argv(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                proc = subprocess.Popen(argv(command), env=gpu_env(gpu), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, text=True, start_new_session=True)
                 running[i] = proc
             print(f"[{i} gpu{gpu}] start: {command}", flush=True)
