@@ -6,6 +6,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tarfile
 import time
 from pathlib import Path
@@ -91,7 +92,7 @@ def test_a_later_call_on_the_warm_machine_sees_an_earlier_calls_rows_at_the_same
 def test_ncu_lane_profiles_only_the_last_call_with_the_clocks_left_alone():
     """scripts/ncu_lane.py's ncu command: the NVTX range scripts/call_lane.py opens around its last call
     only, no clock locking, and the lane's arguments passed through."""
-    cmd = subprocess.run(["python3", "scripts/ncu_lane.py", "mamba_bwd_bwd", "cutile", "training",
+    cmd = subprocess.run([sys.executable, "scripts/ncu_lane.py", "mamba_bwd_bwd", "cutile", "training",
                           '{"SCAN_PREP":true}', "--dry-run"], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout.split()
     assert cmd[cmd.index("--clock-control") + 1] == "none"
@@ -119,7 +120,7 @@ def test_on_gpus_runs_commands_side_by_side_one_per_gpu(tmp_path):
     the third on the GPU that frees first; every line is tagged; the exit status is the failing one's."""
     fake = _fake_command(tmp_path)
     env = {**os.environ, "LAB_GPUS": "2"}
-    out = subprocess.run(["python3", "scripts/on_gpus.py", f"{fake} 1.5 0", f"{fake} 0.3 0", f"{fake} 0.3 3"],
+    out = subprocess.run([sys.executable, "scripts/on_gpus.py", f"{fake} 1.5 0", f"{fake} 0.3 0", f"{fake} 0.3 3"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 3, out.stdout + out.stderr
     on = {line.split("]")[0][1:]: float(line.split()[-1]) for line in out.stdout.splitlines() if " on " in line}
@@ -134,7 +135,7 @@ def test_on_gpus_passes_an_interrupt_on_to_every_running_command(tmp_path):
     """SIGINT (device_run.sh's time limit) reaches each running command, which saves and exits; none is
     started after it."""
     fake = _fake_command(tmp_path)
-    proc = subprocess.Popen(["python3", "scripts/on_gpus.py", f"{fake} 30 0", f"{fake} 30 0", f"{fake} 30 0"],
+    proc = subprocess.Popen([sys.executable, "scripts/on_gpus.py", f"{fake} 30 0", f"{fake} 30 0", f"{fake} 30 0"],
                             cwd=ROOT, env={**os.environ, "LAB_GPUS": "2"}, stdout=subprocess.PIPE, text=True)
     time.sleep(3)
     proc.send_signal(signal.SIGINT)
