@@ -159,8 +159,9 @@ def _angles(ANG, b, c, h, jb, C, R, BJ, NR):
     a = ct.reshape(ct.load(ANG, (b, c, h, min(jb, last)), (1, C, 1, BJ), padding_mode=ZERO), (C, 1, BJ))
     jj = ct.reshape(ct.arange(BJ, dtype=ct.int32) + jb * BJ, (1, 1, BJ))
     a = ct.where(jj < NR, a, 0.0)
-    a = ct.reshape(ct.broadcast_to(a, (C, R, BJ)), (C * R, BJ))
-    return ct.cos(a), ct.sin(a)
+    # cos / sin once per step, then broadcast over the R ranks (the precise versions are costly).
+    return (ct.reshape(ct.broadcast_to(ct.cos(a), (C, R, BJ)), (C * R, BJ)),
+            ct.reshape(ct.broadcast_to(ct.sin(a), (C, R, BJ)), (C * R, BJ)))
 
 
 def _rot(lo, hi, cos, sin):
