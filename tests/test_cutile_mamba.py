@@ -84,7 +84,7 @@ def test_scan_prep_compiles(target, compiled):
     """SCAN_PREP at the GB10 shape: the operand kernel is one more cubin, no larger than the scan it feeds,
     and every kernel is within the target's limit."""
     shape = _shape("gb10")
-    config = {**lane.seed_for(shape), "SCAN_PREP": True}
+    config = {**lane.seed_for(shape), "SCAN_PREP": True, "prep_occupancy": 8}   # _prep's own occupancy hint
     got = compiled(lane, config, shape, target)
     assert set(got["kernels"]) == {"prep", *lane.KERNELS}
     assert got["kernels"]["prep"]["smem_bytes"] <= got["kernels"]["scan"]["smem_bytes"], got
@@ -128,6 +128,8 @@ def test_config_rules():
     assert "BLOCK_P" in lane.config_reason({**D, "BLOCK_P": 8}, shape)
     assert "num_worker_warps" in harness_reason("mamba_bwd_bwd", "cutile", {**D, "num_worker_warps": 2}, shape)
     assert "occupancy" in harness_reason("mamba_bwd_bwd", "cutile", {**D, "occupancy": 33}, shape)
+    assert "prep_occupancy" in harness_reason("mamba_bwd_bwd", "cutile", {**D, "prep_occupancy": 4}, shape)
+    assert harness_reason("mamba_bwd_bwd", "cutile", {**D, "SCAN_PREP": True, "prep_occupancy": 4}, shape) is None
     assert "int64" in lane.config_reason(D, {**shape, "B": 64, "S": 65536, "H": 64})
 
 

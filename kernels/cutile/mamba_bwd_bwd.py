@@ -60,6 +60,8 @@ Tunables (sweeps/mamba_bwd_bwd/cutile.toml):
   KEY_BJ, KEY_BP       rotary pairs per key-side program; P columns per step of its P loop
   VALUE_BJ, BLOCK_P    pairs per step of the value side's N loops; P columns per step of its P loop
   occupancy            CTAs per SM tileiras compiles every kernel for (0: its choice)
+  prep_occupancy       CTAs per SM for _prep alone (0: ``occupancy``); _prep streams ~40 KB a program
+                       and does no GEMM, so it may want more CTAs resident than the chunk kernels
   num_worker_warps     warps of the compute warp group (0: tileiras' choice; cuda-tile 1.7.0 writes
                        TileIR 13.4, where only 4 and 8 exist)
 
@@ -83,9 +85,9 @@ from lab.problems import _mamba3 as m3
 DSL = "cutile"
 KERNEL = "mamba_bwd_bwd"
 TUNABLES = ("SCAN_BJ", "SCAN_BP", "SCAN_SEGMENTS", "SCAN_PREP", "KEY_BJ", "KEY_BP", "VALUE_BJ", "BLOCK_P",
-            "occupancy", "num_worker_warps")
+            "occupancy", "num_worker_warps", "prep_occupancy")
 DEFAULTS = {"SCAN_BJ": 16, "SCAN_BP": 32, "SCAN_SEGMENTS": 1, "SCAN_PREP": False, "KEY_BJ": 16, "KEY_BP": 32,
-            "VALUE_BJ": 16, "BLOCK_P": 32, "occupancy": 0, "num_worker_warps": 0}
+            "VALUE_BJ": 16, "BLOCK_P": 32, "occupancy": 0, "num_worker_warps": 0, "prep_occupancy": 0}
 TARGETS = tuple(f"sm_{a}a" if a >= 90 else f"sm_{a}" for a in ARCHS)
 DTYPES = ("bfloat16", "float16")
 KERNELS = ("scan", "key", "value", "reduce")
@@ -476,7 +478,10 @@ _KERNELS: dict = {}
 
 
 def _kernel(name: str, config: dict):
-    hints = tuple((k, config[k] or None) for k in ("num_worker_warps", "occupancy"))
+    hints = {k: config[k] or None for k in ("num_worker_warps", "occupancy")}
+    if name == "prep" and config["prep_occupancy"]:
+        hints["occupancy"] = config["prep_occupancy"]
+    hints = tuple(hints.items())
     key = (name, hints)
     if key not in _KERNELS:
         _KERNELS[key] = ct.kernel(_BODIES[name], **dict(hints))
