@@ -84,13 +84,27 @@ def test_scan_prep_compiles(target, compiled):
     """SCAN_PREP at the GB10 shape: the operand kernel is one more cubin, no larger than the scan it feeds,
     and every kernel is within the target's limit."""
     shape = _shape("gb10")
-    config = {**lane.seed_for(shape), "SCAN_PREP": True}
+    config = {**lane.seed_for(shape), "SCAN_PREP": True, "prep_occupancy": 8}   # _prep's own occupancy hint
     got = compiled(lane, config, shape, target)
     assert set(got["kernels"]) == {"prep", *lane.KERNELS}
     assert got["kernels"]["prep"]["smem_bytes"] <= got["kernels"]["scan"]["smem_bytes"], got
     assert got["smem_bytes"] == max(k["smem_bytes"] for k in got["kernels"].values()), got
     assert got["smem_bytes"] <= _LIMIT[target], got
     assert got["registers"] <= 255, got
+
+
+# VALUE_QK = "recompute": the value side builds q_hat, k_hat of the whole N itself (F x N/2 halves held over
+# its P loop) and the key side stores none; the sm_121a figures are the ones to watch (101,376 B).
+@pytest.mark.parametrize("name,target", [("gb10", "sm_121a"), ("training", "sm_121a"),
+                                         pytest.param("gb10", "sm_90a", marks=pytest.mark.slow),
+                                         pytest.param("training", "sm_90a", marks=pytest.mark.slow)])
+def test_value_qk_recompute_compiles(name, target, compiled):
+    shape = _shape(name)
+    config = {**lane.seed_for(shape), "VALUE_QK": "recompute"}
+    assert lane.config_reason(config, shape) is None
+    got = compiled(lane, config, shape, target)
+    _check(got, config, shape, target)
+    assert got["smem_bytes"] <= _LIMIT[target], got
 
 
 def test_every_named_shape_has_a_config_and_a_figure():
@@ -126,8 +140,12 @@ def test_config_rules():
     assert "P=" in lane.config_reason(D, {**shape, "P": 48})
     assert "KEY_BJ" in lane.config_reason({**D, "KEY_BJ": 64}, shape)       # N/2 = 32
     assert "BLOCK_P" in lane.config_reason({**D, "BLOCK_P": 8}, shape)
+    assert "VALUE_QK" in lane.config_reason({**D, "VALUE_QK": "both"}, shape)
+    assert harness_reason("mamba_bwd_bwd", "cutile", {**D, "VALUE_QK": "recompute"}, shape) is None
     assert "num_worker_warps" in harness_reason("mamba_bwd_bwd", "cutile", {**D, "num_worker_warps": 2}, shape)
     assert "occupancy" in harness_reason("mamba_bwd_bwd", "cutile", {**D, "occupancy": 33}, shape)
+    assert "prep_occupancy" in harness_reason("mamba_bwd_bwd", "cutile", {**D, "prep_occupancy": 4}, shape)
+    assert harness_reason("mamba_bwd_bwd", "cutile", {**D, "SCAN_PREP": True, "prep_occupancy": 4}, shape) is None
     assert "int64" in lane.config_reason(D, {**shape, "B": 64, "S": 65536, "H": 64})
 
 
@@ -169,6 +187,15 @@ BODY_CASES = [
     pytest.param(_small(), {**SMALL, "SCAN_PREP": True}, id="r4-scan-prep"),
     pytest.param(_small(B=1, S=16, H=4, G=2, R=4, rd=2, hasZ=False, hasD=False, reduceO=False, dtype="float16"),
                  {**SMALL, "SCAN_PREP": True, "SCAN_SEGMENTS": 2}, id="r4-gqa-prep-2-segments-fp16"),
+    # VALUE_QK = "recompute": the value side's own q_hat / k_hat (whole N, the angles padded past rd), no QH / KH;
+    # options on and off, R = 4 and 1, GQA heads, with and without SCAN_PREP (dS the placeholder without it).
+    pytest.param(_small(), {**SMALL, "VALUE_QK": "recompute"}, id="r4-all-options-recompute"),
+    pytest.param(_small(B=1, S=48, H=4, G=2, N=32, P=16, R=1, C=16, rd=2, hasZ=False, hasD=False, reduceO=False,
+                        dtype="float16"), {**SMALL, "VALUE_QK": "recompute"}, id="r1-gqa-no-options-fp16-recompute"),
+    pytest.param(_small(B=1, S=48, H=2, N=32, P=16, R=1, C=16), {**SMALL, "VALUE_QK": "recompute"},
+                 id="r1-all-options-recompute"),
+    pytest.param(_small(B=1, S=16, H=4, G=2, R=4, rd=2, hasZ=False, hasD=False, reduceO=False),
+                 {**SMALL, "SCAN_PREP": True, "VALUE_QK": "recompute"}, id="r4-gqa-no-options-prep-recompute"),
 ]
 
 
@@ -198,9 +225,10 @@ def test_kernel_bodies_match_reference(shape, config, monkeypatch):
     assert max(e.rel_l2 for n, e in errors.items() if n != "DDA") < bound, errors
 
 
-def test_stand_in_catches_a_wrong_body(monkeypatch):
+@pytest.mark.parametrize("value_qk", lane.VALUE_QK)
+def test_stand_in_catches_a_wrong_body(value_qk, monkeypatch):
     """The check can fail: the value side's gate sign flipped gives wrong DV / DFACTOR."""
-    shape, config = _small(B=1, H=1), {**D, **SMALL}
+    shape, config = _small(B=1, H=1), {**D, **SMALL, "VALUE_QK": value_qk}
     standin.patch_torch(monkeypatch)
     ns, fake = standin.emulated(lane, standin.fake_ct(undetermined=float("nan")),
                                 overrides={"_launch_info": lambda kernel, args: {}})
@@ -216,6 +244,21 @@ def test_stand_in_catches_a_wrong_body(monkeypatch):
     ns["build"](config, shape)(inputs, outputs)
     ok, errors = parity.compare(outputs, PROBLEM.reference(inputs, shape), PROBLEM.tolerance(shape))
     assert not ok and not errors["DV"].ok(PROBLEM.tolerance(shape))
+
+
+@pytest.mark.parametrize("R,P,nc,elems", [(4, 64, 3, 256), (1, 16, 5, 32), (8, 128, 9, 4096)])
+def test_reduce_sums_blocks_of_chunks(R, P, nc, elems):
+    """_reduce with a smaller block than the lane's (several steps, the last padded past nc) and P split over
+    programs: the per-chunk partials' sums, DD from one program per (b, h)."""
+    ns, fake = standin.emulated(lane, standin.fake_ct(undetermined=float("nan")), overrides={"_REDUCE_ELEMS": elems})
+    standin.record_launches(fake)
+    rp, rb = ns["_reduce_blocks"]({"S": nc * 4, "C": 4, "R": R, "P": P})
+    assert rb * R * rp <= elems and (rb < nc or elems == 4096)
+    B, H = 2, 3
+    ws, dd = torch.randn(B, H, nc, R, P), torch.randn(B, H, nc)
+    out, dd_out = torch.full((B, H, R, P), float("nan")), torch.full((B, H), float("nan"))
+    fake.launch(None, (P // rp, H, B), ns["_reduce"], (ws, dd, out, dd_out, R, rp, rb, True))
+    assert torch.allclose(out, ws.sum(2), atol=1e-5) and torch.allclose(dd_out, dd.sum(2), atol=1e-5)
 
 
 def test_stand_in_tile_semantics():

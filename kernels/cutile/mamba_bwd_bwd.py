@@ -18,19 +18,25 @@ launched in this order on the current stream:
 2. ``_chunk_k``, grid (nc * N/2/KEY_BJ, H, B): the key / query side of one chunk on KEY_BJ rotary pairs.
    Its P loop (KEY_BP columns a step) accumulates PsiV dy^T (F x F, F = C*R fused rows t*R + r),
    PsiV dS^T and dy STATES^T; then DQ, DK and DANGLES of its pairs, and its pairs' parts of the row sums
-   over N (DDA_CS_REV, DFACTOR, DDA_CS) and of sum(STATES * dS) (DDA), and its pairs' q_hat and k_hat.
-3. ``_chunk_v``, grid (nc, H, B): the value side, on the key side's q_hat and k_hat (no rotary
-   recomputed per P step). k_hat q_hat^T over N (VALUE_BJ coordinates a step), then P
-   in BLOCK_P columns: dPsiV (DV, per-chunk DMIMO_V and DD partials), PsiV dy^T; then DSSDA,
-   DGAMMA_DIAG and the sums of the key side's partials (DDA, DDA_CS, DDA_CS_REV, DFACTOR).
-4. ``_reduce``, grid (H, B): DMIMO_V and DD summed over the chunks (deterministic, no atomics).
+   over N (DDA_CS_REV, DFACTOR, DDA_CS) and of sum(STATES * dS) (DDA), and (VALUE_QK "load") its pairs'
+   q_hat and k_hat.
+3. ``_chunk_v``, grid (nc, H, B): the value side. VALUE_QK "load": on the key side's q_hat and k_hat,
+   k_hat q_hat^T over N in VALUE_BJ coordinates a step, and k_hat dS in its P loop from KH tiles again.
+   "recompute": q_hat and k_hat of the whole N built here once (the key side's rotary and factor, the
+   same helpers; lo / hi halves of F x N/2 each, rounded to the input dtype as the key side rounds them,
+   held over the P loop), k_hat q_hat^T and k_hat dS one GEMM per half. Then P in BLOCK_P columns:
+   dPsiV (DV, per-chunk DMIMO_V and DD partials), PsiV dy^T; then DSSDA, DGAMMA_DIAG and the sums of the
+   key side's partials (DDA, DDA_CS, DDA_CS_REV, DFACTOR).
+4. ``_reduce``, grid (P/RP, H, B): DMIMO_V (RP = min(P, 32) columns a program) and DD summed over the
+   chunks, RB chunks a step (RB * R * RP = 4,096 fp32 at most; deterministic, no atomics).
 
 What crosses global memory between them (the lane allocates it once per device):
   dS            [B, H, nc, N, P] input dtype   scan -> both chunk kernels (the GEMM operand)
   row partials  [B, H, nc, N/2/KEY_BJ, 4, C] fp32   key side -> value side (DDA_CS_REV, DFACTOR, DDA_CS; the
                 fourth row only pads the tile to a power of two)
   DDA partials  [B, H, nc, N/2/KEY_BJ] fp32         key side -> value side
-  q_hat, k_hat  [B, H, nc, C*R, N] input dtype each  key side -> value side (512 MiB in all at the training shape)
+  q_hat, k_hat  [B, H, nc, C*R, N] input dtype each  key side -> value side (VALUE_QK "load" only; 537 MB in all
+                at the training shape, where Q, K are 8 MB and ANGLES 33 MB)
   DMIMO_V, DD   [B, H, nc, R, P], [B, H, nc] fp32   value side -> reduce
   QS, DY        [B, H, nc, C*R, N], [B, H, nc, C*R, P] input dtype   _prep -> scan, DY also -> chunk kernels
                 (SCAN_PREP only; 805 MB in all at the training shape)
@@ -58,8 +64,13 @@ Tunables (sweeps/mamba_bwd_bwd/cutile.toml):
                        operands are the same bf16 / fp16 values either way; the value side's D terms, DD
                        and D dy in DV, then take dy rounded to them too)
   KEY_BJ, KEY_BP       rotary pairs per key-side program; P columns per step of its P loop
-  VALUE_BJ, BLOCK_P    pairs per step of the value side's N loops; P columns per step of its P loop
+  VALUE_BJ, BLOCK_P    pairs per step of the value side's N loops ("load" only); P columns per step of its
+                       P loop
+  VALUE_QK             "load": the value side reads QH / KH, which the key side writes; "recompute": it builds
+                       q_hat, k_hat from Q, K, the biases, ANGLES, DT, TRAP (above) and nothing writes QH / KH
   occupancy            CTAs per SM tileiras compiles every kernel for (0: its choice)
+  prep_occupancy       CTAs per SM for _prep alone (0: ``occupancy``); _prep streams ~40 KB a program
+                       and does no GEMM, so it may want more CTAs resident than the chunk kernels
   num_worker_warps     warps of the compute warp group (0: tileiras' choice; cuda-tile 1.7.0 writes
                        TileIR 13.4, where only 4 and 8 exist)
 
@@ -83,9 +94,11 @@ from lab.problems import _mamba3 as m3
 DSL = "cutile"
 KERNEL = "mamba_bwd_bwd"
 TUNABLES = ("SCAN_BJ", "SCAN_BP", "SCAN_SEGMENTS", "SCAN_PREP", "KEY_BJ", "KEY_BP", "VALUE_BJ", "BLOCK_P",
-            "occupancy", "num_worker_warps")
+            "occupancy", "num_worker_warps", "prep_occupancy", "VALUE_QK")
 DEFAULTS = {"SCAN_BJ": 16, "SCAN_BP": 32, "SCAN_SEGMENTS": 1, "SCAN_PREP": False, "KEY_BJ": 16, "KEY_BP": 32,
-            "VALUE_BJ": 16, "BLOCK_P": 32, "occupancy": 0, "num_worker_warps": 0}
+            "VALUE_BJ": 16, "BLOCK_P": 32, "occupancy": 0, "num_worker_warps": 0, "prep_occupancy": 0,
+            "VALUE_QK": "load"}
+VALUE_QK = ("load", "recompute")
 TARGETS = tuple(f"sm_{a}a" if a >= 90 else f"sm_{a}" for a in ARCHS)
 DTYPES = ("bfloat16", "float16")
 KERNELS = ("scan", "key", "value", "reduce")
@@ -95,6 +108,19 @@ def _segments(config: dict, shape: dict) -> int:
     """Ranges the scan walks at once: the largest divisor of the chunk count that is at most SCAN_SEGMENTS."""
     nc = shape["S"] // shape["C"]
     return max(k for k in range(1, config["SCAN_SEGMENTS"] + 1) if nc % k == 0)
+
+
+_REDUCE_ELEMS = 4096
+
+
+def _reduce_blocks(shape: dict) -> tuple:
+    """(RP, RB) of _reduce: P columns per program and chunks per step. A step loads an (RB, R, RP) block of
+    _REDUCE_ELEMS fp32 (16 KB) at most: enough loads in flight to hide the latency of the chunk walk (one
+    (R, P) tile a step was latency-bound) in a modest register footprint; RP = 32 gives P/32 programs per
+    (b, h) (B*H is 32 at anchor_b2 and h100_tuned, far below the SM count)."""
+    nc = shape["S"] // shape["C"]
+    rp = min(shape["P"], 32)
+    return rp, max(1, min(1 << (nc - 1).bit_length(), _REDUCE_ELEMS // (shape["R"] * rp)))
 
 
 def _kernel_names(config: dict, shape: dict) -> tuple:
@@ -159,12 +185,20 @@ def _angles(ANG, b, c, h, jb, C, R, BJ, NR):
     a = ct.reshape(ct.load(ANG, (b, c, h, min(jb, last)), (1, C, 1, BJ), padding_mode=ZERO), (C, 1, BJ))
     jj = ct.reshape(ct.arange(BJ, dtype=ct.int32) + jb * BJ, (1, 1, BJ))
     a = ct.where(jj < NR, a, 0.0)
-    a = ct.reshape(ct.broadcast_to(a, (C, R, BJ)), (C * R, BJ))
-    return ct.cos(a), ct.sin(a)
+    # cos / sin once per step, then broadcast over the R ranks (the precise versions are costly).
+    return (ct.reshape(ct.broadcast_to(ct.cos(a), (C, R, BJ)), (C * R, BJ)),
+            ct.reshape(ct.broadcast_to(ct.sin(a), (C, R, BJ)), (C * R, BJ)))
 
 
 def _rot(lo, hi, cos, sin):
     return lo * cos - hi * sin, lo * sin + hi * cos
+
+
+def _rotated(X, XB, cos, sin, b, c, g, h, jb, NHB, C, R, BJ):
+    """Biased q or k of pair block jb (of NHB) and its rotation: lo, hi, rotated lo, rotated hi, [F, BJ] fp32."""
+    lo = _half(X, XB, b, c, g, h, jb, C, R, BJ)
+    hi = _half(X, XB, b, c, g, h, NHB + jb, C, R, BJ)
+    return (lo, hi) + _rot(lo, hi, cos, sin)
 
 
 def _gates(DT, TRAP, DAR, b, h, c, C, R):
@@ -226,7 +260,7 @@ def _prep(Q, QB, ANG, DA, DOUT, PHI, Z, ZETA, QS, DY,
     e = _rows(ct.exp(_steps(DA, b, h, c, C)), C, R)
     for jb in range(NHB):
         cos, sin = _angles(ANG, b, c, h, jb, C, R, BJ, NR)
-        lo, hi = _rot(_half(Q, QB, b, c, g, h, jb, C, R, BJ), _half(Q, QB, b, c, g, h, NHB + jb, C, R, BJ), cos, sin)
+        _, _, lo, hi = _rotated(Q, QB, cos, sin, b, c, g, h, jb, NHB, C, R, BJ)
         ct.store(QS, (b, h, c, 0, jb), ct.reshape((lo * e).astype(dt), (1, 1, 1, F, BJ)))
         ct.store(QS, (b, h, c, 0, NHB + jb), ct.reshape((hi * e).astype(dt), (1, 1, 1, F, BJ)))
     for pb in range(P // BP):
@@ -279,8 +313,7 @@ def _scan(Q, QB, ANG, DA, DOUT, PHI, Z, ZETA, QS, DY, DS, CARRY, DECAY,
             dye = _hat(DY, b, h, c, pb, F, BP)
         else:
             cos, sin = _angles(ANG, b, c, h, jb, C, R, BJ, NR)
-            lo, hi = _rot(_half(Q, QB, b, c, g, h, jb, C, R, BJ), _half(Q, QB, b, c, g, h, NHB + jb, C, R, BJ),
-                          cos, sin)
+            _, _, lo, hi = _rotated(Q, QB, cos, sin, b, c, g, h, jb, NHB, C, R, BJ)
             qh_lo, qh_hi = lo.astype(dt), hi.astype(dt)
             e = _rows(ct.exp(_steps(DA, b, h, c, C)), C, R)
             dye = (_dy(DOUT, PHI, Z, ZETA, b, h, c, pb, C, R, BP, HAS_Z, REDUCE_O) * e).astype(dt)
@@ -296,9 +329,10 @@ def _scan(Q, QB, ANG, DA, DOUT, PHI, Z, ZETA, QS, DY, DS, CARRY, DECAY,
 
 def _chunk_k(Q, K, QB, KB, V, PSI, ANG, DA, DAR, DT, TRAP, SEG, DOUT, PHI, Z, ZETA, DY, STATES, DS,
              DQ, DK, DANG, ROW_WS, DDA_WS, QH, KH,
-             HG: K_, N: K_, P: K_, R: K_, C: K_, NR: K_, BJ: K_, BP: K_, HAS_Z: B_, REDUCE_O: B_, PREP: B_):
-    """Key / query side of one chunk on BJ rotary pairs; also writes its pairs' q_hat, k_hat (input dtype)
-    to QH, KH [B, H, nc, F, N] for the value side."""
+             HG: K_, N: K_, P: K_, R: K_, C: K_, NR: K_, BJ: K_, BP: K_, HAS_Z: B_, REDUCE_O: B_, PREP: B_,
+             STORE_HAT: B_):
+    """Key / query side of one chunk on BJ rotary pairs; with STORE_HAT also writes its pairs' q_hat, k_hat
+    (input dtype) to QH, KH [B, H, nc, F, N] for the value side (VALUE_QK "load")."""
     F = C * R
     NHB = N // 2 // BJ
     pid = ct.bid(0)
@@ -337,19 +371,16 @@ def _chunk_k(Q, K, QB, KB, V, PSI, ANG, DA, DAR, DT, TRAP, SEG, DOUT, PHI, Z, ZE
     gamma, factor, er = _gates(DT, TRAP, DAR, b, h, c, C, R)
     dqk = ct.where(_same(C, R), ct.transpose(dkq) * gamma, 0.0).astype(dt)   # same-step dL/d(q_{t,o}.k_{t,i})
     dkq_m = (dkq * _decay(SEG, b, h, c, C, R)).astype(dt)
-    q_lo = _half(Q, QB, b, c, g, h, jb, C, R, BJ)
-    q_hi = _half(Q, QB, b, c, g, h, NHB + jb, C, R, BJ)
-    k_lo = _half(K, KB, b, c, g, h, jb, C, R, BJ)
-    k_hi = _half(K, KB, b, c, g, h, NHB + jb, C, R, BJ)
     cos, sin = _angles(ANG, b, c, h, jb, C, R, BJ, NR)
-    qh_lo, qh_hi = _rot(q_lo, q_hi, cos, sin)
-    kr_lo, kr_hi = _rot(k_lo, k_hi, cos, sin)
+    q_lo, q_hi, qh_lo, qh_hi = _rotated(Q, QB, cos, sin, b, c, g, h, jb, NHB, C, R, BJ)
+    k_lo, k_hi, kr_lo, kr_hi = _rotated(K, KB, cos, sin, b, c, g, h, jb, NHB, C, R, BJ)
     kh_lo = (kr_lo * factor).astype(dt)
     kh_hi = (kr_hi * factor).astype(dt)
-    ct.store(QH, (b, h, c, 0, jb), ct.reshape(qh_lo.astype(dt), (1, 1, 1, F, BJ)))
-    ct.store(QH, (b, h, c, 0, NHB + jb), ct.reshape(qh_hi.astype(dt), (1, 1, 1, F, BJ)))
-    ct.store(KH, (b, h, c, 0, jb), ct.reshape(kh_lo, (1, 1, 1, F, BJ)))
-    ct.store(KH, (b, h, c, 0, NHB + jb), ct.reshape(kh_hi, (1, 1, 1, F, BJ)))
+    if STORE_HAT:
+        ct.store(QH, (b, h, c, 0, jb), ct.reshape(qh_lo.astype(dt), (1, 1, 1, F, BJ)))
+        ct.store(QH, (b, h, c, 0, NHB + jb), ct.reshape(qh_hi.astype(dt), (1, 1, 1, F, BJ)))
+        ct.store(KH, (b, h, c, 0, jb), ct.reshape(kh_lo, (1, 1, 1, F, BJ)))
+        ct.store(KH, (b, h, c, 0, NHB + jb), ct.reshape(kh_hi, (1, 1, 1, F, BJ)))
 
     # Row sums over this program's pairs, [3, C] per (chunk, pair block): DDA_CS_REV, DFACTOR, DDA_CS.
     rev = _group(ct.sum(kh_lo.astype(ct.float32) * dks_lo + kh_hi.astype(ct.float32) * dks_hi, axis=1), C, R)
@@ -386,18 +417,21 @@ def _chunk_k(Q, K, QB, KB, V, PSI, ANG, DA, DAR, DT, TRAP, SEG, DOUT, PHI, Z, ZE
     ct.store(DQ, (b, c, h, NHB + jb), ct.reshape(dq_hi, (1, F, 1, BJ)).astype(DQ.dtype))
 
 
-def _chunk_v(QH, KH, V, PSI, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, ZETA, DY, DPARAM, DS,
+def _chunk_v(Q, K, QB, KB, ANG, QH, KH, V, PSI, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, ZETA, DY, DPARAM, DS,
              ROW_WS, DDA_WS, DV, DFACTOR, DGAMMA, DDA, DDA_CS, DDA_CS_REV, DSSDA, DPSI_WS, DD_WS,
-             N: K_, P: K_, R: K_, C: K_, BJ: K_, BP: K_, NKB: K_, HAS_Z: B_, HAS_D: B_, REDUCE_O: B_, PREP: B_):
-    """Value side of one chunk, on q_hat and k_hat as the key side wrote them (NKB: the key side's pair
-    blocks, whose partials it sums)."""
+             HG: K_, N: K_, P: K_, R: K_, C: K_, NR: K_, BJ: K_, BP: K_, NKB: K_, HAS_Z: B_, HAS_D: B_,
+             REDUCE_O: B_, PREP: B_, RECOMPUTE: B_):
+    """Value side of one chunk (NKB: the key side's pair blocks, whose partials it sums). q_hat and k_hat
+    are the key side's QH, KH, or with RECOMPUTE built here from Q, K, ANG, DT, TRAP (Q, K, QB, KB, ANG
+    are read only then, QH, KH only without it)."""
     F = C * R
-    NHB = N // 2 // BJ
+    NH = N // 2
+    NHB = NH // BJ
     c = ct.bid(0)
     h = ct.bid(1)
     b = ct.bid(2)
-    dt = QH.dtype
-    gamma, _, er = _gates(DT, TRAP, DAR, b, h, c, C, R)
+    dt = Q.dtype
+    gamma, factor, er = _gates(DT, TRAP, DAR, b, h, c, C, R)
     # Same-step q.k products (biased, before rotary) as a block-diagonal [F, F]: [(t, o), (t, i)].
     qkd = ct.reshape(ct.load(QKD, (b, h, c, 0, 0), (1, 1, C, R, R)), (C, R, 1, R)).astype(ct.float32)
     tc = ct.arange(C, dtype=ct.int32)
@@ -406,9 +440,19 @@ def _chunk_v(QH, KH, V, PSI, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, ZETA, DY, DP
                       (F, F))
     diag_t = ct.transpose(diag * gamma).astype(dt)
 
-    lkq = ct.zeros((F, F), dtype=ct.float32)          # k_hat_s . q_hat_t over N, BJ coordinates at a time
-    for jt in range(2 * NHB):
-        lkq = ct.mma(_hat(KH, b, h, c, jt, F, BJ), ct.transpose(_hat(QH, b, h, c, jt, F, BJ)), lkq)
+    lkq = ct.zeros((F, F), dtype=ct.float32)          # k_hat_s . q_hat_t over N
+    if RECOMPUTE:
+        # The whole N as one pair block: lo / hi halves [F, N/2], rounded as the key side rounds them, held
+        # over the P loop (one rotary per program).
+        cos, sin = _angles(ANG, b, c, h, 0, C, R, NH, NR)
+        _, _, qh_lo, qh_hi = _rotated(Q, QB, cos, sin, b, c, h // HG, h, 0, 1, C, R, NH)
+        _, _, kr_lo, kr_hi = _rotated(K, KB, cos, sin, b, c, h // HG, h, 0, 1, C, R, NH)
+        qh_lo, qh_hi = qh_lo.astype(dt), qh_hi.astype(dt)
+        kh_lo, kh_hi = (kr_lo * factor).astype(dt), (kr_hi * factor).astype(dt)
+        lkq = ct.mma(kh_hi, ct.transpose(qh_hi), ct.mma(kh_lo, ct.transpose(qh_lo), lkq))
+    else:   # BJ coordinates at a time
+        for jt in range(2 * NHB):
+            lkq = ct.mma(_hat(KH, b, h, c, jt, F, BJ), ct.transpose(_hat(QH, b, h, c, jt, F, BJ)), lkq)
     lkq_m = (lkq * _decay(SEG, b, h, c, C, R)).astype(dt)
 
     dkq = ct.zeros((F, F), dtype=ct.float32)          # PsiV_s . dy_t
@@ -424,10 +468,13 @@ def _chunk_v(QH, KH, V, PSI, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, ZETA, DY, DP
         else:
             dy = _dy(DOUT, PHI, Z, ZETA, b, h, c, pb, C, R, BP, HAS_Z, REDUCE_O)
             dy16 = dy.astype(dt)
-        # k_hat dS_c over N, BJ coordinates at a time.
-        khds = ct.zeros((F, BP), dtype=ct.float32)
-        for jt in range(2 * NHB):
-            khds = ct.mma(_hat(KH, b, h, c, jt, F, BJ), _cell(DS, b, h, c, jt, pb, BJ, BP).astype(dt), khds)
+        khds = ct.zeros((F, BP), dtype=ct.float32)    # k_hat dS_c over N
+        if RECOMPUTE:
+            khds = ct.mma(kh_lo, _cell(DS, b, h, c, 0, pb, NH, BP).astype(dt), khds)
+            khds = ct.mma(kh_hi, _cell(DS, b, h, c, 1, pb, NH, BP).astype(dt), khds)
+        else:   # BJ coordinates at a time
+            for jt in range(2 * NHB):
+                khds = ct.mma(_hat(KH, b, h, c, jt, F, BJ), _cell(DS, b, h, c, jt, pb, BJ, BP).astype(dt), khds)
         dpsiv = ct.mma(diag_t, dy16, ct.mma(lkq_m, dy16, er * khds))
         if HAS_D:
             dpsiv = dpsiv + dpar * dy
@@ -454,20 +501,25 @@ def _chunk_v(QH, KH, V, PSI, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, ZETA, DY, DP
     ct.store(DDA_CS, (b, h, c), ct.reshape(ct.extract(rows, (2, 0), (1, C)), (1, 1, C)))
 
 
-def _reduce(DPSI_WS, DD_WS, DPSI, DD, R: K_, P: K_, HAS_D: B_):
-    """DMIMO_V and DD of (b, h): the per-chunk partials summed in chunk order."""
-    h = ct.bid(0)
-    b = ct.bid(1)
+def _reduce(DPSI_WS, DD_WS, DPSI, DD, R: K_, RP: K_, RB: K_, HAS_D: B_):
+    """DMIMO_V columns block pb (RP wide) of (b, h), and DD in the pb = 0 program: the per-chunk partials
+    summed elementwise RB chunks a step (zero past nc), then over the RB rows once (a fixed order: no
+    atomics, deterministic)."""
+    pb = ct.bid(0)
+    h = ct.bid(1)
+    b = ct.bid(2)
     NC = DD_WS.shape[2]
-    acc = ct.zeros((R, P), dtype=ct.float32)
-    dd = ct.zeros((1, 1), dtype=ct.float32)
-    for c in range(NC):
-        acc = acc + ct.reshape(ct.load(DPSI_WS, (b, h, c, 0, 0), (1, 1, 1, R, P)), (R, P))
+    acc = ct.zeros((1, 1, RB, R, RP), dtype=ct.float32)
+    dd = ct.zeros((1, 1, RB), dtype=ct.float32)
+    # Plain loads: with TMA, tileiras staged 85-137 KB of shared memory for this stream (cuda-tile 1.7.0).
+    for cb in range((NC + RB - 1) // RB):
+        acc = acc + ct.load(DPSI_WS, (b, h, cb, 0, pb), (1, 1, RB, R, RP), padding_mode=ZERO, allow_tma=False)
         if HAS_D:
-            dd = dd + ct.reshape(ct.load(DD_WS, (b, h, c), (1, 1, 1)), (1, 1))
-    ct.store(DPSI, (b, h, 0, 0), ct.reshape(acc, (1, 1, R, P)))
+            dd = dd + ct.load(DD_WS, (b, h, cb), (1, 1, RB), padding_mode=ZERO, allow_tma=False)
+    ct.store(DPSI, (b, h, 0, pb), ct.reshape(ct.sum(ct.reshape(acc, (RB, R, RP)), axis=0), (1, 1, R, RP)))
     if HAS_D:
-        ct.store(DD, (b, h), dd)
+        if pb == 0:
+            ct.store(DD, (b, h), ct.reshape(ct.sum(dd), (1, 1)))
 
 
 _BODIES = {"prep": _prep, "scan_local": _scan, "scan": _scan, "key": _chunk_k, "value": _chunk_v, "reduce": _reduce}
@@ -475,7 +527,10 @@ _KERNELS: dict = {}
 
 
 def _kernel(name: str, config: dict):
-    hints = tuple((k, config[k] or None) for k in ("num_worker_warps", "occupancy"))
+    hints = {k: config[k] or None for k in ("num_worker_warps", "occupancy")}
+    if name == "prep" and config["prep_occupancy"]:
+        hints["occupancy"] = config["prep_occupancy"]
+    hints = tuple(hints.items())
     key = (name, hints)
     if key not in _KERNELS:
         _KERNELS[key] = ct.kernel(_BODIES[name], **dict(hints))
@@ -503,6 +558,8 @@ def config_reason(config: dict, shape: dict) -> str | None:
         return f"C={C}, R={R}: the lane needs C and C*R powers of two with C*R >= 16 (cuTile tile sides, ct.mma sizes)"
     if not (_pow2(P) and P >= 16):
         return f"P={P}: the lane needs P a power of two >= 16"
+    if c["VALUE_QK"] not in VALUE_QK:
+        return f"VALUE_QK={c['VALUE_QK']!r} must be one of {', '.join(VALUE_QK)}"
     for key, dim, name in (("SCAN_BJ", nh, "N/2"), ("SCAN_BP", P, "P"), ("KEY_BJ", nh, "N/2"), ("KEY_BP", P, "P"),
                            ("VALUE_BJ", nh, "N/2"), ("BLOCK_P", P, "P")):
         v = c[key]
@@ -538,20 +595,22 @@ def _layouts(config: dict, shape: dict) -> dict:
     e, f = shape["dtype"], "float32"
     nkb = N // 2 // config["KEY_BJ"]
     segs = _segments(config, shape)
+    ds = (e, (B, H, nc, N, P))
+    hat = (e, (B, H, nc, C * R, N)) if config["VALUE_QK"] == "load" else ds
     dout = (B, S, H, P) if shape["reduceO"] else (B, S, R, H, P)
     return {"Q": (e, (B, S, R, G, N)), "K": (e, (B, S, R, G, N)), "QB": (f, (H, R, N)), "KB": (f, (H, R, N)),
             "V": (e, (B, S, H, P)), "PSI": (f, (H, R, P)), "PHI": (f, (H, R, P)), "ANG": (f, (B, S, H, nr)),
             "DA": (f, (B, H, S)), "DAR": (f, (B, H, S)), "DT": (f, (B, H, S)), "TRAP": (e, (B, H, S)),
             "SEG": (f, (B, H, nc, C, C)), "DOUT": (e, dout), "Z": (e, (B, S, H, P)), "ZETA": (f, (H, R, P)),
-            "STATES": ("bfloat16", (B, H, nc, N, P)), "DS": (e, (B, H, nc, N, P)), "QKD": (e, (B, H, S, R, R)),
+            "STATES": ("bfloat16", (B, H, nc, N, P)), "DS": ds, "QKD": (e, (B, H, S, R, R)),
             "DPARAM": (f, (H,)), "DQ": (e, (B, S * R, H, N)), "DK": (e, (B, S * R, H, N)), "DV": (e, (B, S, H, P)),
             "DANG": (f, (B, S, H, nr)), "ROW_WS": (f, (B, H, nc, nkb, 4, C)), "DDA_WS": (f, (B, H, nc, nkb)),
             "DPSI_WS": (f, (B, H, nc, R, P)), "DD_WS": (f, (B, H, nc)), "DPSI": (f, (B, H, R, P)),
             "DD": (f, (B, H)), **{k: (f, (B, H, S)) for k in ("DFACTOR", "DGAMMA", "DDA", "DDA_CS", "DDA_CS_REV")},
-            "DSSDA": (f, (B, H, nc, C, C)), "QH": (e, (B, H, nc, C * R, N)), "KH": (e, (B, H, nc, C * R, N)),
-            "CARRY": (f, (B, H, segs, N, P)), "DECAY": (f, (B, H, segs)),
-            # Without SCAN_PREP the scan is handed QH / KH in their place (read by no code path there).
-            "QS": (e, (B, H, nc, C * R, N)), "DY": (e, (B, H, nc, C * R, P if config["SCAN_PREP"] else N))}
+            "DSSDA": (f, (B, H, nc, C, C)), "CARRY": (f, (B, H, segs, N, P)), "DECAY": (f, (B, H, segs)),
+            # dS stands in for the workspaces a config does not allocate (no code path reads them then).
+            "QH": hat, "KH": hat, **({"QS": (e, (B, H, nc, C * R, N)), "DY": (e, (B, H, nc, C * R, P))}
+                                     if config["SCAN_PREP"] else {"QS": ds, "DY": ds})}
 
 
 def _params(name: str) -> list[str]:
@@ -569,12 +628,13 @@ def _consts(name: str, config: dict, shape: dict) -> list:
                        bool(config["SCAN_PREP"])]
     if name == "prep":
         return base + [config["SCAN_BJ"], config["SCAN_BP"], z, o]
+    load = config["VALUE_QK"] == "load"
     if name == "key":
-        return base + [config["KEY_BJ"], config["KEY_BP"], z, o, bool(config["SCAN_PREP"])]
+        return base + [config["KEY_BJ"], config["KEY_BP"], z, o, bool(config["SCAN_PREP"]), load]
     if name == "value":
-        return [N, P, R, C, config["VALUE_BJ"], config["BLOCK_P"], N // 2 // config["KEY_BJ"], z,
-                bool(shape["hasD"]), o, bool(config["SCAN_PREP"])]
-    return [R, P, bool(shape["hasD"])]
+        return base + [config["VALUE_BJ"], config["BLOCK_P"], N // 2 // config["KEY_BJ"], z, bool(shape["hasD"]), o,
+                       bool(config["SCAN_PREP"]), not load]
+    return [R, *_reduce_blocks(shape), bool(shape["hasD"])]
 
 
 def _signature(name: str, config: dict, shape: dict):
@@ -627,6 +687,8 @@ def build(config: dict, shape: dict):
     segs = _segments(config, shape)
     scan_tiles = (N // 2 // config["SCAN_BJ"]) * (P // config["SCAN_BP"])
     nkb = N // 2 // config["KEY_BJ"]
+    load = config["VALUE_QK"] == "load"
+    rp = _reduce_blocks(shape)[0]
     work: dict = {}
     info: dict = {}
 
@@ -641,19 +703,21 @@ def build(config: dict, shape: dict):
                         rows=torch.zeros(B, H, nc, nkb, 4, C, **f32),
                         dpsi=torch.empty(B, H, nc, R, P, **f32), dd=torch.empty(B, H, nc, **f32),
                         dd_out=torch.empty(B, H, **f32), d=torch.zeros(H, **f32),
-                        carry=torch.empty(B, H, segs, N, P, **f32), decay=torch.empty(B, H, segs, **f32),
-                        qh=torch.empty(B, H, nc, C * R, N, dtype=i["Q"].dtype, device=dev),
-                        kh=torch.empty(B, H, nc, C * R, N, dtype=i["Q"].dtype, device=dev))
-            if config["SCAN_PREP"]:
-                work.update(qs=torch.empty(B, H, nc, C * R, N, dtype=i["Q"].dtype, device=dev),
-                            dy=torch.empty(B, H, nc, C * R, P, dtype=i["Q"].dtype, device=dev))
+                        carry=torch.empty(B, H, segs, N, P, **f32), decay=torch.empty(B, H, segs, **f32))
+            ds, prep = work["ds"], config["SCAN_PREP"]
+
+            def fused(cols):
+                return torch.empty(B, H, nc, C * R, cols, dtype=i["Q"].dtype, device=dev)
+            # dS stands in for the workspaces a config does not allocate (no code path reads them then).
+            work.update(qh=fused(N) if load else ds, kh=fused(N) if load else ds,
+                        qs=fused(N) if prep else ds, dy=fused(P) if prep else ds)
         w = work
         z, zeta = (i["Z"], i["MIMO_Z"]) if shape["hasZ"] else (i["V"], i["MIMO_V"])   # not read without Z
         dpar = i["D"] if shape["hasD"] else w["d"]
         dd_out = o["DD"] if shape["hasD"] else w["dd_out"]
         stream = torch.cuda.current_stream()
         inputs_q = (i["Q"], i["Q_BIAS"], i["ANGLES"], i["DA_CS"], i["DOUT"], i["MIMO_O"], z, zeta)
-        qs, dy = (w["qs"], w["dy"]) if config["SCAN_PREP"] else (w["qh"], w["kh"])
+        qs, dy = w["qs"], w["dy"]
         scan_args = inputs_q + (qs, dy, w["ds"], w["carry"], w["decay"])
         launches = [("prep", (nc, H, B), inputs_q + (qs, dy))] if config["SCAN_PREP"] else []
         launches += [("scan_local", (scan_tiles * (segs - 1), H, B), scan_args)] if segs > 1 else []
@@ -661,15 +725,14 @@ def build(config: dict, shape: dict):
             ("scan", (scan_tiles * segs, H, B), scan_args),
             ("key", (nc * nkb, H, B), (i["Q"], i["K"], i["Q_BIAS"], i["K_BIAS"], i["V"], i["MIMO_V"], i["ANGLES"],
                                        i["DA_CS"], i["DA_CS_REV"], i["DT"], i["TRAP"], i["SEGSUM"], i["DOUT"],
-                                       i["MIMO_O"], z, zeta, dy if config["SCAN_PREP"] else w["ds"], i["STATES"],
-                                       w["ds"], o["DQ"], o["DK"], o["DANGLES"],
+                                       i["MIMO_O"], z, zeta, dy, i["STATES"], w["ds"], o["DQ"], o["DK"], o["DANGLES"],
                                        w["rows"], w["dda"], w["qh"], w["kh"])),
-            ("value", (nc, H, B), (w["qh"], w["kh"], i["V"], i["MIMO_V"], i["DA_CS_REV"], i["DT"], i["TRAP"],
-                                   i["QK_DOT"], i["SEGSUM"], i["DOUT"], i["MIMO_O"], z, zeta,
-                                   dy if config["SCAN_PREP"] else w["ds"], dpar, w["ds"], w["rows"], w["dda"], o["DV"], o["DFACTOR"],
-                                   o["DGAMMA_DIAG"], o["DDA"], o["DDA_CS"], o["DDA_CS_REV"], o["DSSDA"], w["dpsi"],
-                                   w["dd"])),
-            ("reduce", (H, B, 1), (w["dpsi"], w["dd"], o["DMIMO_V"], dd_out)),
+            ("value", (nc, H, B), (i["Q"], i["K"], i["Q_BIAS"], i["K_BIAS"], i["ANGLES"], w["qh"], w["kh"], i["V"],
+                                   i["MIMO_V"], i["DA_CS_REV"], i["DT"], i["TRAP"], i["QK_DOT"], i["SEGSUM"],
+                                   i["DOUT"], i["MIMO_O"], z, zeta, dy, dpar, w["ds"], w["rows"], w["dda"], o["DV"],
+                                   o["DFACTOR"], o["DGAMMA_DIAG"], o["DDA"], o["DDA_CS"], o["DDA_CS_REV"], o["DSSDA"],
+                                   w["dpsi"], w["dd"])),
+            ("reduce", (P // rp, H, B), (w["dpsi"], w["dd"], o["DMIMO_V"], dd_out)),
         ]
         for name, grid, arrays in launches:
             args = tuple(arrays) + tuple(consts[name])
@@ -692,10 +755,11 @@ def seed_for(shape: dict) -> dict:
 # Compiled shared memory (bytes, the largest of the four kernels) of ``seed_for(shape)`` at the named shapes
 # (sweeps/mamba_bwd_bwd/shapes.toml), read from the tileiras cubins (cuda-tile 1.7.0, 2026-11-26) as the
 # driver counts it (kernels/_launch_smem.py driver_static: the section less the 1 KiB sm_90+ reservation): the
-# value side is the largest on sm_90a, the key side on sm_121a; the scan 15-41 KB, the reduce none.
-# tileiras gave the scan 255 registers and the chunk kernels 168 (255 for the value side at two shapes; no
-# hint); local memory (spills) up to ~350 B per thread, ~1.7-1.9 KB in the key side at C = 8 with P = 128
-# and at R = 1. tests/test_cutile_mamba.py compiles and compares (GB10 shape by default, the others under -m slow).
+# value side is the largest on sm_90a, the key side on sm_121a; the scan 15-41 KB, the reduce ~2.6 KB (none
+# before its blocked loads). tileiras gave the scan and the reduce 255 registers and the chunk kernels 168 (255
+# for the value side at two shapes; no hint); local memory (spills) up to ~350 B per thread, ~1.7-1.9 KB in
+# the key side at C = 8 with P = 128 and at R = 1. tests/test_cutile_mamba.py compiles and compares (GB10
+# shape by default, the others under -m slow).
 SMEM = {
     "h100_tuned": {"sm_90a": 183_344, "sm_121a": 95_132},
     "anchor_b2": {"sm_90a": 112_664, "sm_121a": 95_132},
