@@ -341,6 +341,50 @@ def _fence(x, FENCE: tl.constexpr):
 
 
 @triton.jit
+def _key_query_paths(dks_lo, dks_hi, dqs_lo, dqs_hi, dkq_m, dqk_t, qh_lo, qh_hi, qh16_lo, qh16_hi, kr_lo, kr_hi,
+                     kh_lo, kh_hi, cos, sin, er, factor, REV_AT, FACTOR_AT, CS_AT, DA, DK, DQ, DANG, b, h, c, s, row,
+                     jj, bh, S, H, N: tl.constexpr, NR: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
+                     BJ: tl.constexpr):
+    """After a chunk's P loop, on its rotary pairs jj (BJ of them): the row sums over those pairs
+    (DDA_CS_REV, DFACTOR, DDA_CS, each [C], stored at REV_AT / FACTOR_AT / CS_AT), then the key path
+    (DK) and the query path (DANGLES, DQ). dks / dqs: PsiV dS^T and dy STATES^T; dkq_m / dqk_t: the F x F
+    operands; q_hat (fp32 and input dtype), rot(k), k_hat, cos / sin of the pairs' rows."""
+    NH: tl.constexpr = N // 2
+    dt = qh16_lo.dtype
+    tl.store(REV_AT, _group(tl.sum(kh_lo.to(tl.float32) * dks_lo + kh_hi.to(tl.float32) * dks_hi, 1), C, R))
+    tl.store(CS_AT, _group(tl.sum(qh_lo * dqs_lo + qh_hi * dqs_hi, 1), C, R))
+
+    # Key path. Same-step products in the rotated frame: the block-diagonal dqk_t mixes rows of one
+    # step only, which share their angle, so dqk_t q = rot^T(dqk_t q_hat). A product added to a value
+    # that came from another product is subtracted with a negated operand (exact) instead: Triton folds
+    # x + dot(a, b) into the product's accumulator, and a product feeding another one gets all warps
+    # along its rows (each warpgroup then computes the whole F x KEY_BJ tile).
+    dkh_lo = er[:, None] * dks_lo + tl.dot(dkq_m, qh16_lo)
+    dkh_hi = er[:, None] * dks_hi + tl.dot(dkq_m, qh16_hi)
+    tl.store(FACTOR_AT, _group(tl.sum(kr_lo * dkh_lo + kr_hi * dkh_hi, 1), C, R))
+    dkr_lo, dkr_hi = dkh_lo * factor[:, None], dkh_hi * factor[:, None]
+    dang = dkr_hi * kr_lo - dkr_lo * kr_hi
+    gk_lo = dkr_lo - tl.dot(dqk_t, -qh16_lo)
+    gk_hi = dkr_hi - tl.dot(dqk_t, -qh16_hi)
+    out = (row[:, None] * H + h) * N + jj[None, :]
+    tl.store(DK + out, (gk_lo * cos + gk_hi * sin).to(dt))
+    tl.store(DK + out + NH, (gk_hi * cos - gk_lo * sin).to(dt))
+
+    # Query path.
+    ea = tl.exp(tl.load(DA + bh * S + s))
+    dqh_lo = ea[:, None] * dqs_lo - tl.dot(tl.trans(dkq_m), -kh_lo)
+    dqh_hi = ea[:, None] * dqs_hi - tl.dot(tl.trans(dkq_m), -kh_hi)
+    dang += dqh_hi * qh_lo - dqh_lo * qh_hi
+    dang = tl.sum(tl.reshape(dang, (C, R, BJ)), 1)
+    tc = tl.arange(0, C)
+    tl.store(DANG + ((b * S + c * C + tc[:, None]) * H + h) * NR + jj[None, :], dang, mask=jj[None, :] < NR)
+    gq_lo = dqh_lo - tl.dot(tl.trans(dqk_t), (-kr_lo).to(dt))
+    gq_hi = dqh_hi - tl.dot(tl.trans(dqk_t), (-kr_hi).to(dt))
+    tl.store(DQ + out, (gq_lo * cos + gq_hi * sin).to(dt))
+    tl.store(DQ + out + NH, (gq_hi * cos - gq_lo * sin).to(dt))
+
+
+@triton.jit
 def _chunk_k(Q, K, QB, KB, V, PSI, COS, SIN, DA, DAR, DT, TRAP, SEG, DOUT, PHI, Z, ZETA, STATES, DS,
              DQ, DK, DANG, ROW_WS, DDA_WS, DD_WS, QH, KH, S, H, G, NC,
              N: tl.constexpr, P: tl.constexpr, R: tl.constexpr, C: tl.constexpr, NR: tl.constexpr,
@@ -422,37 +466,9 @@ def _chunk_k(Q, K, QB, KB, V, PSI, COS, SIN, DA, DAR, DT, TRAP, SEG, DOUT, PHI, 
     tl.store(QH + hb, qh16_lo)
     tl.store(QH + hb + NH, qh16_hi)
     ws = ROW_WS + ((bh * NC + c) * NBJ + jb) * 3 * C + tl.arange(0, C)
-    tl.store(ws, _group(tl.sum(kh_lo.to(tl.float32) * dks_lo + kh_hi.to(tl.float32) * dks_hi, 1), C, R))
-    tl.store(ws + 2 * C, _group(tl.sum(qh_lo * dqs_lo + qh_hi * dqs_hi, 1), C, R))
-
-    # Key path. Same-step products in the rotated frame: the block-diagonal dqk_t mixes rows of one
-    # step only, which share their angle, so dqk_t q = rot^T(dqk_t q_hat). A product added to a value
-    # that came from another product is subtracted with a negated operand (exact) instead: Triton folds
-    # x + dot(a, b) into the product's accumulator, and a product feeding another one gets all warps
-    # along its rows (each warpgroup then computes the whole F x KEY_BJ tile).
-    dkh_lo = er[:, None] * dks_lo + tl.dot(dkq_m, qh16_lo)
-    dkh_hi = er[:, None] * dks_hi + tl.dot(dkq_m, qh16_hi)
-    tl.store(ws + C, _group(tl.sum(kr_lo * dkh_lo + kr_hi * dkh_hi, 1), C, R))
-    dkr_lo, dkr_hi = dkh_lo * factor[:, None], dkh_hi * factor[:, None]
-    dang = dkr_hi * kr_lo - dkr_lo * kr_hi
-    gk_lo = dkr_lo - tl.dot(dqk_t, -qh16_lo)
-    gk_hi = dkr_hi - tl.dot(dqk_t, -qh16_hi)
-    out = (row[:, None] * H + h) * N + jj[None, :]
-    tl.store(DK + out, (gk_lo * cos + gk_hi * sin).to(dt))
-    tl.store(DK + out + NH, (gk_hi * cos - gk_lo * sin).to(dt))
-
-    # Query path.
-    ea = tl.exp(tl.load(DA + bh * S + s))
-    dqh_lo = ea[:, None] * dqs_lo - tl.dot(tl.trans(dkq_m), -kh_lo)
-    dqh_hi = ea[:, None] * dqs_hi - tl.dot(tl.trans(dkq_m), -kh_hi)
-    dang += dqh_hi * qh_lo - dqh_lo * qh_hi
-    dang = tl.sum(tl.reshape(dang, (C, R, BJ)), 1)
-    tc = tl.arange(0, C)
-    tl.store(DANG + ((b * S + c * C + tc[:, None]) * H + h) * NR + jj[None, :], dang, mask=jj[None, :] < NR)
-    gq_lo = dqh_lo - tl.dot(tl.trans(dqk_t), (-kr_lo).to(dt))
-    gq_hi = dqh_hi - tl.dot(tl.trans(dqk_t), (-kr_hi).to(dt))
-    tl.store(DQ + out, (gq_lo * cos + gq_hi * sin).to(dt))
-    tl.store(DQ + out + NH, (gq_hi * cos - gq_lo * sin).to(dt))
+    _key_query_paths(dks_lo, dks_hi, dqs_lo, dqs_hi, dkq_m, dqk_t, qh_lo, qh_hi, qh16_lo, qh16_hi, kr_lo, kr_hi,
+                     kh_lo, kh_hi, cos, sin, er, factor, ws, ws + C, ws + 2 * C, DA, DK, DQ, DANG, b, h, c, s, row,
+                     jj, bh, S, H, N, NR, C, R, BJ)
 
 
 @triton.jit
@@ -678,29 +694,9 @@ def _chunk(Q, K, QB, KB, V, PSI, COS, SIN, DA, DAR, DT, TRAP, QKD, SEG, DOUT, PH
     # The F x F operands (see _chunk_k), then the row sums, the key path and the query path.
     dkq_m = _fence(dkq * decay, FENCE).to(dt)
     dqk_t = _fence(tl.where(same, dkq * gamma[:, None], 0.0), FENCE).to(dt)
-    tl.store(DDA_CS_REV + per_step, _group(tl.sum(kh_lo.to(tl.float32) * dks_lo + kh_hi.to(tl.float32) * dks_hi, 1),
-                                           C, R))
-    tl.store(DDA_CS + per_step, _group(tl.sum(qh_lo * dqs_lo + qh_hi * dqs_hi, 1), C, R))
-    dkh_lo = er[:, None] * dks_lo + tl.dot(dkq_m, qh16_lo)
-    dkh_hi = er[:, None] * dks_hi + tl.dot(dkq_m, qh16_hi)
-    tl.store(DFACTOR + per_step, _group(tl.sum(kr_lo * dkh_lo + kr_hi * dkh_hi, 1), C, R))
-    dkr_lo, dkr_hi = dkh_lo * factor[:, None], dkh_hi * factor[:, None]
-    dang = dkr_hi * kr_lo - dkr_lo * kr_hi
-    gk_lo = dkr_lo - tl.dot(dqk_t, -qh16_lo)
-    gk_hi = dkr_hi - tl.dot(dqk_t, -qh16_hi)
-    out = (row[:, None] * H + h) * N + jh[None, :]
-    tl.store(DK + out, (gk_lo * cos + gk_hi * sin).to(dt))
-    tl.store(DK + out + NH, (gk_hi * cos - gk_lo * sin).to(dt))
-    ea = tl.exp(tl.load(DA + bh * S + s))
-    dqh_lo = ea[:, None] * dqs_lo - tl.dot(tl.trans(dkq_m), -kh_lo)
-    dqh_hi = ea[:, None] * dqs_hi - tl.dot(tl.trans(dkq_m), -kh_hi)
-    dang += dqh_hi * qh_lo - dqh_lo * qh_hi
-    dang = tl.sum(tl.reshape(dang, (C, R, NH)), 1)
-    tl.store(DANG + ((b * S + c * C + tc[:, None]) * H + h) * NR + jh[None, :], dang, mask=jh[None, :] < NR)
-    gq_lo = dqh_lo - tl.dot(tl.trans(dqk_t), (-kr_lo).to(dt))
-    gq_hi = dqh_hi - tl.dot(tl.trans(dqk_t), (-kr_hi).to(dt))
-    tl.store(DQ + out, (gq_lo * cos + gq_hi * sin).to(dt))
-    tl.store(DQ + out + NH, (gq_hi * cos - gq_lo * sin).to(dt))
+    _key_query_paths(dks_lo, dks_hi, dqs_lo, dqs_hi, dkq_m, dqk_t, qh_lo, qh_hi, qh16_lo, qh16_hi, kr_lo, kr_hi,
+                     kh_lo, kh_hi, cos, sin, er, factor, DDA_CS_REV + per_step, DFACTOR + per_step, DDA_CS + per_step,
+                     DA, DK, DQ, DANG, b, h, c, s, row, jh, bh, S, H, N, NR, C, R, NH)
 
 
 @triton.jit
