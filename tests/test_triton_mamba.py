@@ -46,7 +46,8 @@ def test_interpreter_parity_through_the_harness():
     """Every output against reference (2) at the timed shape and the problem's parity shape (B=1, three
     chunks, odd head count): R=4 and R=1, GQA with every option off and rd=2, several scan tiles and P
     steps, three or more chunks, the scan in segments of one chunk (three) and of two (two); each with the
-    split chunk kernels and with the fused one."""
+    split chunk kernels and with the fused one. dy_prep (_prep's dy loaded by the chunk kernels): R=4 with
+    every option on, split; R=1 with GQA and every option off, fused; three chunks each."""
     cases = [(BASE, {**SMALL, "scan_segments": 4}),                                     # R=4, 3 chunks, 3 segments
              ({**BASE, "R": 1, "C": 16, "S": 64, "P": 32, "hasD": False},
               {**SMALL, "scan_segments": 2}),                                            # R=1, 4 chunks, 2 P steps
@@ -54,6 +55,8 @@ def test_interpreter_parity_through_the_harness():
                "reduceO": False}, {**SMALL, "SCAN_BJ": 16, "SCAN_BP": 16})]               # GQA, 2 x 1 scan tiles
     # The fused chunk kernel (fused_chunk) on the same three shapes.
     cases += [(shape, {**config, "fused_chunk": True}) for shape, config in cases]
+    cases += [(BASE, {**SMALL, "dy_prep": True}),
+              ({**cases[2][0], "R": 1, "C": 16, "S": 48}, {**SMALL, "dy_prep": True, "fused_chunk": True})]
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     p = subprocess.run([sys.executable, "-c", _INTERPRET, ROOT, json.dumps(cases)], env=env, capture_output=True,
                        text=True, timeout=900)
@@ -92,13 +95,13 @@ def test_configs_that_do_not_fit_the_shape_are_refused(config, msg):
 @pytest.mark.parametrize("target,shape", [("sm_121a", n) for n in ("h100_tuned", "anchor_b2", "training", "gb10")]
                          + [("sm_90a", "h100_tuned")])
 def test_compiles_within_the_gb10_limit(target, shape, compiled):
-    """Every default shape has a config (the sweep file's first seed) whose five kernels compile for
-    sm_121a within GB10's 101,376 B, and for sm_90a."""
+    """Every default shape has a config (the sweep file's first seed, dy_prep) whose six kernels compile
+    for sm_121a within GB10's 101,376 B, and for sm_90a."""
     sh = space.get_shape("mamba_bwd_bwd", shape)
     seed = SPACE.seeds[0]
     assert lane.config_reason(seed, sh) is None
     res = compiled(lane, seed, sh, target)
-    assert set(res["kernels"]) == {"angles", "scan", "key", "value", "reduce"}
+    assert set(res["kernels"]) == {"prep", "angles", "scan", "key", "value", "reduce"}
     assert 0 < res["smem_bytes"] <= GB10_LIMIT, res
 
 
@@ -176,11 +179,15 @@ def test_the_value_side_is_exact_at_every_named_shape():
 # scan's SCAN_BP = 128 bound), C*R = 32 on sm_90a (mma.sync key side, where the scan's bound tops the
 # estimate), the scan's R = 8 stage and R = 1 bound, one-step N loops at N = 32 on both targets (the
 # fp32 [F, F] conversion on sm_90a, the half tiles beside dy on sm_121a), and no D with unreduced DOUT and
-# no Z (gqa). The rest repeat those terms at more shapes (slow).
+# no Z (gqa). The rest repeat those terms at more shapes (slow). dy_prep's configs are compiled at gb10
+# and training (_DY_PREP_SHAPES, both targets: its terms in smem_kernels on wgmma and mma.sync, split and
+# fused); elsewhere only the estimate's tests above take them.
 _DEFAULT_CASES = {("h100_tuned", "sm_121a"), ("anchor_b2", "sm_121a"), ("training", "sm_121a"), ("gb10", "sm_121a"),
                   ("h100_tuned", "sm_90a"), ("training", "sm_90a"), ("grid_n128_p128_r4_c8", "sm_90a"),
                   ("grid_n128_p64_r8_c8", "sm_90a"), ("grid_n128_p64_r1_c64", "sm_121a"),
-                  ("grid_n32_p64_r4_c16", "sm_90a"), ("grid_n32_p64_r4_c16", "sm_121a"), ("gqa_plain_rd2", "sm_121a")}
+                  ("grid_n32_p64_r4_c16", "sm_90a"), ("grid_n32_p64_r4_c16", "sm_121a"), ("gqa_plain_rd2", "sm_121a"),
+                  ("gb10", "sm_90a")}
+_DY_PREP_SHAPES = ("gb10", "training")
 
 
 @pytest.mark.parametrize("shape,target", [
@@ -188,10 +195,10 @@ _DEFAULT_CASES = {("h100_tuned", "sm_121a"), ("anchor_b2", "sm_121a"), ("trainin
     for case in itertools.product(NAMED, TARGETS)])
 def test_smem_estimate_equals_the_compiler(shape, target, compiled):
     """Issue 22: the preflight's estimate is the compiler's figure (compile_for, Triton AOT), or an upper
-    bound where the lane says so, for every config of the sweep space at every named shape, sm_90a and
-    sm_121a; for sm_121a each compiles within GB10's limit."""
+    bound where the lane says so, for every config of the sweep space at every named shape (dy_prep's at
+    _DY_PREP_SHAPES), sm_90a and sm_121a; for sm_121a each compiles within GB10's limit."""
     sh = space.get_shape("mamba_bwd_bwd", shape)
-    configs = _space_configs(sh)
+    configs = [c for c in _space_configs(sh) if not c["dy_prep"] or shape in _DY_PREP_SHAPES]
     assert configs
     for config in configs:
         res = compiled(lane, config, sh, target)

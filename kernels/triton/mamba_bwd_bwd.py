@@ -1,7 +1,19 @@
 """Triton lane for mamba_bwd_bwd (the Mamba-3 MIMO backward kernel "bwd_bwd").
 
-Five kernels, six with scan segments, four with the fused chunk kernel (the model and the output
-definitions are in lab/problems/_mamba3.py). F = C*R: the fused rows t*R + r of a chunk (step t, rank r).
+Five kernels, one more with scan segments and one more with dy_prep, one fewer with the fused chunk
+kernel (the model and the output definitions are in lab/problems/_mamba3.py). F = C*R: the fused rows
+t*R + r of a chunk (step t, rank r).
+
+P. ``_prep`` (dy_prep only, launched first): grid (nc * P/32, H, B), dL/dy of every chunk at once (the
+   gate with Phi, SiLU(Z * Zeta), the rank broadcast; _dy_load / _dy_from's values) into DY [B, H, nc,
+   F, P] in the input dtype. The chunk kernels' P loops then load dy instead of building it, where the
+   key side builds it in each of a chunk's N/2/KEY_BJ programs and the value side again; their D terms
+   (DD, D dy in DV) take it rounded, as their products do. The scan keeps building its own operands
+   (q_hat * exp(DA_CS) and dy): at ~3 us a serial step (H200: 810 us over training's 256 chunks, against
+   ~4,200 us for each chunk kernel) it is not the cuTile scan that SCAN_PREP took from 2,431 to 492 us
+   (9.5 us a step, its operand builds on the chain); the part it could drop is the elementwise share of
+   a step whose load latencies its pipelining already hides, while a QS workspace would add B*H*S*R*N
+   elements to _prep's writes and reading DY [F, BP] there R times the bytes of its [C, BP] tiles.
 
 0. ``_angles``: cos and sin of every angle (fp32, [B, S, H, N/rd] each), read by (1) and (2), which so
    take no transcendental range reduction (libdevice's sinf / cosf keep a 28-byte local array for it)
@@ -69,6 +81,11 @@ from L1), since a [C, BP] tile broadcast over ranks is itself a conversion right
 scan keeps the [C, BP] / [R, BP] tiles (_dy_tile): its chunk loop's pipelining stages those loads in
 shared memory, R times smaller.
 
+Global memory between the kernels (allocated once per device): cos / sin (0 -> 1, 2); dS [B, H, nc, N, P]
+in the input dtype (1 -> 2, 3); the scan's segment sums and decays (local pass -> 1); q_hat, k_hat [B, H, nc,
+F, N] in the input dtype, the row sums and DDA partials (2 -> 3); DMIMO_V and DD partials (3 -> 4); with
+dy_prep, DY [B, H, nc, F, P] in the input dtype (P -> 2, 3 or the fused kernel; 512 MiB at training in bf16).
+
 Tunables:
   SCAN_BJ, SCAN_BP      dS tile of one scan program: 2 * SCAN_BJ rows (SCAN_BJ rotary pairs) x SCAN_BP
   scan_warps, scan_stages   the scan's num_warps and num_stages (software pipelining of the chunk loop)
@@ -85,6 +102,7 @@ Tunables:
                         leaves one; 80, three; 0, the compiler's own count (fused kernel only)
   fused_chunk           ``_chunk`` instead of (2) and (3); it takes BLOCK_P, chunk_warps, chunk_stages and
                         value_maxnreg
+  dy_prep               ``_prep`` first, and the chunk kernels (split or fused) load its DY
 """
 from __future__ import annotations
 
@@ -99,12 +117,14 @@ from lab.problems import _mamba3 as m3
 DSL = "triton"
 KERNEL = "mamba_bwd_bwd"
 TUNABLES = ("SCAN_BJ", "SCAN_BP", "scan_warps", "scan_stages", "scan_segments", "KEY_BJ", "KEY_BP", "key_warps",
-            "VALUE_BJ", "BLOCK_P", "chunk_warps", "chunk_stages", "key_maxnreg", "value_maxnreg", "fused_chunk")
+            "VALUE_BJ", "BLOCK_P", "chunk_warps", "chunk_stages", "key_maxnreg", "value_maxnreg", "fused_chunk",
+            "dy_prep")
 DEFAULTS = {"SCAN_BJ": 16, "SCAN_BP": 32, "scan_warps": 4, "scan_stages": 2, "scan_segments": 1, "KEY_BJ": 16,
             "KEY_BP": 32, "key_warps": 8, "VALUE_BJ": 16, "BLOCK_P": 32, "chunk_warps": 8, "chunk_stages": 1,
-            "key_maxnreg": 128, "value_maxnreg": 128, "fused_chunk": False}
+            "key_maxnreg": 128, "value_maxnreg": 128, "fused_chunk": False, "dy_prep": False}
 _TL = {"bfloat16": "bf16", "float16": "fp16"}
 ANGLE_BLOCK = 1024   # angles per program of _angles
+PREP_BP = 32         # P columns per program of _prep (at most P)
 
 
 def _pow2(x: int) -> bool:
@@ -186,6 +206,24 @@ def _dy_from(d, phi, z, zeta, HAS_Z: tl.constexpr, REDUCE_O: tl.constexpr):
         zz = z * zeta
         d = d * zz * tl.sigmoid(zz)
     return d
+
+
+@triton.jit
+def _dy_at(DY, bh, c, pp, NC, F: tl.constexpr, P: tl.constexpr):
+    """Pointers to _prep's dy of chunk c, columns pp, in DY [B, H, nc, F, P]: [F, BP]."""
+    return DY + ((bh * NC + c) * F + tl.arange(0, F)[:, None]) * P + pp[None, :]
+
+
+@triton.jit
+def _prep(DOUT, PHI, Z, ZETA, DY, S, H, NC, P: tl.constexpr, R: tl.constexpr, C: tl.constexpr, BP: tl.constexpr,
+          HAS_Z: tl.constexpr, REDUCE_O: tl.constexpr):
+    """dy_prep: dL/dy of every chunk at once, grid (nc * P/BP, H, B), one [F, BP] tile a program, into DY
+    (input dtype, the chunk kernels' GEMM operand): the values _dy_load / _dy_from build in their P loops."""
+    pid, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    c, pp = pid // (P // BP), (pid % (P // BP)) * BP + tl.arange(0, BP)
+    d, phi, z, zeta = _dy_load(DOUT, PHI, Z, ZETA, b, h, c, pp, S, H, R, C, P, HAS_Z, REDUCE_O)
+    dy = _dy_from(d, phi, z, zeta, HAS_Z, REDUCE_O)
+    tl.store(_dy_at(DY, b * H + h, c, pp, NC, C * R, P), dy.to(DY.dtype.element_ty))
 
 
 @triton.jit
@@ -342,14 +380,59 @@ def _fence(x, FENCE: tl.constexpr):
 
 
 @triton.jit
-def _chunk_k(Q, K, QB, KB, V, PSI, COS, SIN, DA, DAR, DT, TRAP, SEG, DOUT, PHI, Z, ZETA, STATES, DS,
+def _key_query_paths(dks_lo, dks_hi, dqs_lo, dqs_hi, dkq_m, dqk_t, qh_lo, qh_hi, qh16_lo, qh16_hi, kr_lo, kr_hi,
+                     kh_lo, kh_hi, cos, sin, er, factor, REV_AT, FACTOR_AT, CS_AT, DA, DK, DQ, DANG, b, h, c, s, row,
+                     jj, bh, S, H, N: tl.constexpr, NR: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
+                     BJ: tl.constexpr):
+    """After a chunk's P loop, on its rotary pairs jj (BJ of them): the row sums over those pairs
+    (DDA_CS_REV, DFACTOR, DDA_CS, each [C], stored at REV_AT / FACTOR_AT / CS_AT), then the key path
+    (DK) and the query path (DANGLES, DQ). dks / dqs: PsiV dS^T and dy STATES^T; dkq_m / dqk_t: the F x F
+    operands; q_hat (fp32 and input dtype), rot(k), k_hat, cos / sin of the pairs' rows."""
+    NH: tl.constexpr = N // 2
+    dt = qh16_lo.dtype
+    tl.store(REV_AT, _group(tl.sum(kh_lo.to(tl.float32) * dks_lo + kh_hi.to(tl.float32) * dks_hi, 1), C, R))
+    tl.store(CS_AT, _group(tl.sum(qh_lo * dqs_lo + qh_hi * dqs_hi, 1), C, R))
+
+    # Key path. Same-step products in the rotated frame: the block-diagonal dqk_t mixes rows of one
+    # step only, which share their angle, so dqk_t q = rot^T(dqk_t q_hat). A product added to a value
+    # that came from another product is subtracted with a negated operand (exact) instead: Triton folds
+    # x + dot(a, b) into the product's accumulator, and a product feeding another one gets all warps
+    # along its rows (each warpgroup then computes the whole F x KEY_BJ tile).
+    dkh_lo = er[:, None] * dks_lo + tl.dot(dkq_m, qh16_lo)
+    dkh_hi = er[:, None] * dks_hi + tl.dot(dkq_m, qh16_hi)
+    tl.store(FACTOR_AT, _group(tl.sum(kr_lo * dkh_lo + kr_hi * dkh_hi, 1), C, R))
+    dkr_lo, dkr_hi = dkh_lo * factor[:, None], dkh_hi * factor[:, None]
+    dang = dkr_hi * kr_lo - dkr_lo * kr_hi
+    gk_lo = dkr_lo - tl.dot(dqk_t, -qh16_lo)
+    gk_hi = dkr_hi - tl.dot(dqk_t, -qh16_hi)
+    out = (row[:, None] * H + h) * N + jj[None, :]
+    tl.store(DK + out, (gk_lo * cos + gk_hi * sin).to(dt))
+    tl.store(DK + out + NH, (gk_hi * cos - gk_lo * sin).to(dt))
+
+    # Query path.
+    ea = tl.exp(tl.load(DA + bh * S + s))
+    dqh_lo = ea[:, None] * dqs_lo - tl.dot(tl.trans(dkq_m), -kh_lo)
+    dqh_hi = ea[:, None] * dqs_hi - tl.dot(tl.trans(dkq_m), -kh_hi)
+    dang += dqh_hi * qh_lo - dqh_lo * qh_hi
+    dang = tl.sum(tl.reshape(dang, (C, R, BJ)), 1)
+    tc = tl.arange(0, C)
+    tl.store(DANG + ((b * S + c * C + tc[:, None]) * H + h) * NR + jj[None, :], dang, mask=jj[None, :] < NR)
+    gq_lo = dqh_lo - tl.dot(tl.trans(dqk_t), (-kr_lo).to(dt))
+    gq_hi = dqh_hi - tl.dot(tl.trans(dqk_t), (-kr_hi).to(dt))
+    tl.store(DQ + out, (gq_lo * cos + gq_hi * sin).to(dt))
+    tl.store(DQ + out + NH, (gq_hi * cos - gq_lo * sin).to(dt))
+
+
+@triton.jit
+def _chunk_k(Q, K, QB, KB, V, PSI, COS, SIN, DA, DAR, DT, TRAP, SEG, DOUT, PHI, Z, ZETA, DY, STATES, DS,
              DQ, DK, DANG, ROW_WS, DDA_WS, DD_WS, QH, KH, S, H, G, NC,
              N: tl.constexpr, P: tl.constexpr, R: tl.constexpr, C: tl.constexpr, NR: tl.constexpr,
              BJ: tl.constexpr, BP: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr, REDUCE_O: tl.constexpr,
-             STAGES: tl.constexpr, FENCE: tl.constexpr):
+             STAGES: tl.constexpr, FENCE: tl.constexpr, DY_PREP: tl.constexpr):
     """Key / query side of one chunk on BJ rotary pairs: DQ, DK, DANGLES of those columns, q_hat and
     k_hat of them for the value side, the pairs' parts of DDA_CS_REV, DFACTOR, DDA_CS (row sums over N)
-    and of sum(STATES * dS) (DDA), and (first pair block) the chunk's sum(dy * PsiV) (DD)."""
+    and of sum(STATES * dS) (DDA), and (first pair block) the chunk's sum(dy * PsiV) (DD). DY_PREP: dy is
+    _prep's (DY, input dtype), loaded instead of built from DOUT, MIMO_O, Z, MIMO_Z."""
     F: tl.constexpr = C * R
     NH: tl.constexpr = N // 2
     NBJ: tl.constexpr = NH // BJ
@@ -375,12 +458,21 @@ def _chunk_k(Q, K, QB, KB, V, PSI, COS, SIN, DA, DAR, DT, TRAP, SEG, DOUT, PHI, 
         # Every load of the step first: a fence (and the layout conversion behind it, a barrier) orders
         # the loads after it, whose latencies would then add up instead of overlapping.
         v, psi = _step_rows(V, b, h, c, pp, S, H, R, C, P), _rank_rows(PSI, h, pp, R, C, P)
-        d, phi, z, zeta = _dy_load(DOUT, PHI, Z, ZETA, b, h, c, pp, S, H, R, C, P, HAS_Z, REDUCE_O)
+        if DY_PREP:
+            dyp = tl.load(_dy_at(DY, bh, c, pp, NC, F, P))
+        else:
+            d, phi, z, zeta = _dy_load(DOUT, PHI, Z, ZETA, b, h, c, pp, S, H, R, C, P, HAS_Z, REDUCE_O)
         cell = (bh * NC + c) * N * P + jj[:, None] * P + pp[None, :]
         ds_lo, ds_hi = tl.load(DS + cell), tl.load(DS + cell + NH * P)
         st_lo, st_hi = tl.load(STATES + cell), tl.load(STATES + cell + NH * P)
         psiv = _fence(v * psi, FENCE)
-        dy = _fence(_dy_from(d, phi, z, zeta, HAS_Z, REDUCE_O), FENCE)
+        if DY_PREP:
+            # Fenced as the built dy is. Unfenced (cuobjdump, sm_121a, the seeds at the four default
+            # shapes), stack frames were 80-104 B larger than without dy_prep on the key and value sides
+            # and 128-312 B on the fused kernel; fenced, at most 8 B larger, and shared memory the same.
+            dy = _fence(dyp.to(tl.float32), FENCE)
+        else:
+            dy = _fence(_dy_from(d, phi, z, zeta, HAS_Z, REDUCE_O), FENCE)
         if HAS_D:
             dd += tl.sum(tl.sum(psiv * dy, 1), 0)
         psiv16, dy16 = psiv.to(dt), dy.to(dt)
@@ -423,37 +515,9 @@ def _chunk_k(Q, K, QB, KB, V, PSI, COS, SIN, DA, DAR, DT, TRAP, SEG, DOUT, PHI, 
     tl.store(QH + hb, qh16_lo)
     tl.store(QH + hb + NH, qh16_hi)
     ws = ROW_WS + ((bh * NC + c) * NBJ + jb) * 3 * C + tl.arange(0, C)
-    tl.store(ws, _group(tl.sum(kh_lo.to(tl.float32) * dks_lo + kh_hi.to(tl.float32) * dks_hi, 1), C, R))
-    tl.store(ws + 2 * C, _group(tl.sum(qh_lo * dqs_lo + qh_hi * dqs_hi, 1), C, R))
-
-    # Key path. Same-step products in the rotated frame: the block-diagonal dqk_t mixes rows of one
-    # step only, which share their angle, so dqk_t q = rot^T(dqk_t q_hat). A product added to a value
-    # that came from another product is subtracted with a negated operand (exact) instead: Triton folds
-    # x + dot(a, b) into the product's accumulator, and a product feeding another one gets all warps
-    # along its rows (each warpgroup then computes the whole F x KEY_BJ tile).
-    dkh_lo = er[:, None] * dks_lo + tl.dot(dkq_m, qh16_lo)
-    dkh_hi = er[:, None] * dks_hi + tl.dot(dkq_m, qh16_hi)
-    tl.store(ws + C, _group(tl.sum(kr_lo * dkh_lo + kr_hi * dkh_hi, 1), C, R))
-    dkr_lo, dkr_hi = dkh_lo * factor[:, None], dkh_hi * factor[:, None]
-    dang = dkr_hi * kr_lo - dkr_lo * kr_hi
-    gk_lo = dkr_lo - tl.dot(dqk_t, -qh16_lo)
-    gk_hi = dkr_hi - tl.dot(dqk_t, -qh16_hi)
-    out = (row[:, None] * H + h) * N + jj[None, :]
-    tl.store(DK + out, (gk_lo * cos + gk_hi * sin).to(dt))
-    tl.store(DK + out + NH, (gk_hi * cos - gk_lo * sin).to(dt))
-
-    # Query path.
-    ea = tl.exp(tl.load(DA + bh * S + s))
-    dqh_lo = ea[:, None] * dqs_lo - tl.dot(tl.trans(dkq_m), -kh_lo)
-    dqh_hi = ea[:, None] * dqs_hi - tl.dot(tl.trans(dkq_m), -kh_hi)
-    dang += dqh_hi * qh_lo - dqh_lo * qh_hi
-    dang = tl.sum(tl.reshape(dang, (C, R, BJ)), 1)
-    tc = tl.arange(0, C)
-    tl.store(DANG + ((b * S + c * C + tc[:, None]) * H + h) * NR + jj[None, :], dang, mask=jj[None, :] < NR)
-    gq_lo = dqh_lo - tl.dot(tl.trans(dqk_t), (-kr_lo).to(dt))
-    gq_hi = dqh_hi - tl.dot(tl.trans(dqk_t), (-kr_hi).to(dt))
-    tl.store(DQ + out, (gq_lo * cos + gq_hi * sin).to(dt))
-    tl.store(DQ + out + NH, (gq_hi * cos - gq_lo * sin).to(dt))
+    _key_query_paths(dks_lo, dks_hi, dqs_lo, dqs_hi, dkq_m, dqk_t, qh_lo, qh_hi, qh16_lo, qh16_hi, kr_lo, kr_hi,
+                     kh_lo, kh_hi, cos, sin, er, factor, ws, ws + C, ws + 2 * C, DA, DK, DQ, DANG, b, h, c, s, row,
+                     jj, bh, S, H, N, NR, C, R, BJ)
 
 
 @triton.jit
@@ -475,14 +539,15 @@ def _lkq(QH, KH, hrow, N: tl.constexpr, F: tl.constexpr, BJ: tl.constexpr):
 
 
 @triton.jit
-def _chunk_v(QH, KH, V, PSI, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, ZETA, DPARAM, DS,
+def _chunk_v(QH, KH, V, PSI, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, ZETA, DY, DPARAM, DS,
              ROW_WS, DDA_WS, DV, DFACTOR, DGAMMA, DDA, DDA_CS, DDA_CS_REV, DSSDA, DPSI_WS,
              S, H, G, NC,
              N: tl.constexpr, P: tl.constexpr, R: tl.constexpr, C: tl.constexpr, NR: tl.constexpr,
              BJ: tl.constexpr, BP: tl.constexpr, NBJ: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
-             REDUCE_O: tl.constexpr, STAGES: tl.constexpr, FENCE: tl.constexpr):
+             REDUCE_O: tl.constexpr, STAGES: tl.constexpr, FENCE: tl.constexpr, DY_PREP: tl.constexpr):
     """Value side of one chunk: k_hat q_hat^T over all of N, then P in BP columns: dPsiV (DV and the
-    DMIMO_V partial) and PsiV dy^T; then DSSDA, DGAMMA_DIAG, DDA and the key side's row sums."""
+    DMIMO_V partial) and PsiV dy^T; then DSSDA, DGAMMA_DIAG, DDA and the key side's row sums. DY_PREP:
+    dy is _prep's (the D terms then take it rounded to the input dtype, as the products do)."""
     F: tl.constexpr = C * R
     NH: tl.constexpr = N // 2
     c, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -510,7 +575,10 @@ def _chunk_v(QH, KH, V, PSI, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, ZETA, DPARAM
         pp = p0 + tl.arange(0, BP)
         # The step's loads first (see _chunk_k's P loop).
         v, psi = _step_rows(V, b, h, c, pp, S, H, R, C, P), _rank_rows(PSI, h, pp, R, C, P)
-        d, phi, z, zeta = _dy_load(DOUT, PHI, Z, ZETA, b, h, c, pp, S, H, R, C, P, HAS_Z, REDUCE_O)
+        if DY_PREP:
+            dyp = tl.load(_dy_at(DY, bh, c, pp, NC, F, P))
+        else:
+            d, phi, z, zeta = _dy_load(DOUT, PHI, Z, ZETA, b, h, c, pp, S, H, R, C, P, HAS_Z, REDUCE_O)
         if BJ == NH:
             # all of N: one product per rotary half. As one product over N (contiguous columns) Triton
             # 3.6 reads shared memory out of bounds on sm_90a (compute-sanitizer: invalid __shared__
@@ -520,7 +588,10 @@ def _chunk_v(QH, KH, V, PSI, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, ZETA, DPARAM
             kh_lo, kh_hi = tl.load(KH + hrow + jh[None, :]), tl.load(KH + hrow + NH + jh[None, :])
             ds_lo, ds_hi = tl.load(DS + cell), tl.load(DS + cell + NH * P)
         psiv = v * psi
-        dy = _fence(_dy_from(d, phi, z, zeta, HAS_Z, REDUCE_O), FENCE)
+        if DY_PREP:
+            dy = _fence(dyp.to(tl.float32), FENCE)
+        else:
+            dy = _fence(_dy_from(d, phi, z, zeta, HAS_Z, REDUCE_O), FENCE)
         dy16 = dy.to(dt)
         # k_hat dS_c over N, BJ pairs (both rotary halves, one product) a step, k_hat read again.
         if BJ == NH:
@@ -583,17 +654,17 @@ def _rotated_qk(Q, K, QB, KB, COS, SIN, b, h, g, s, row, r, S, H, G,
 
 
 @triton.jit
-def _chunk(Q, K, QB, KB, V, PSI, COS, SIN, DA, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, ZETA, DPARAM, STATES, DS,
-           DQ, DK, DANG, DV, DFACTOR, DGAMMA, DDA, DDA_CS, DDA_CS_REV, DSSDA, DPSI_WS, DD_WS, S, H, G, NC,
+def _chunk(Q, K, QB, KB, V, PSI, COS, SIN, DA, DAR, DT, TRAP, QKD, SEG, DOUT, PHI, Z, ZETA, DY, DPARAM, STATES,
+           DS, DQ, DK, DANG, DV, DFACTOR, DGAMMA, DDA, DDA_CS, DDA_CS_REV, DSSDA, DPSI_WS, DD_WS, S, H, G, NC,
            N: tl.constexpr, P: tl.constexpr, R: tl.constexpr, C: tl.constexpr, NR: tl.constexpr,
            BP: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr, REDUCE_O: tl.constexpr,
-           STAGES: tl.constexpr, FENCE: tl.constexpr):
+           STAGES: tl.constexpr, FENCE: tl.constexpr, DY_PREP: tl.constexpr):
     """Both sides of one chunk on all of N (fused_chunk): one P loop (BP columns a step) reads PsiV, dy,
     dS and STATES once and feeds the key side's products (PsiV dy^T, PsiV dS^T, dy STATES^T, the DDA and
     DD sums) and the value side's (dPsiV = exp(DA_CS_REV) k_hat dS + a_v dy: DV and the DMIMO_V
     partial), with k_hat and a_v (from k_hat q_hat^T) built before it; after it every per-chunk output,
     with q and k read again (L2) rather than held across the loop. No q_hat / k_hat or row-sum
-    workspace, and no product computed twice."""
+    workspace, and no product computed twice. DY_PREP: dy is _prep's, as in _chunk_k and _chunk_v."""
     F: tl.constexpr = C * R
     NH: tl.constexpr = N // 2
     c, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -631,12 +702,18 @@ def _chunk(Q, K, QB, KB, V, PSI, COS, SIN, DA, DAR, DT, TRAP, QKD, SEG, DOUT, PH
         pp = p0 + tl.arange(0, BP)
         # The step's loads first (see _chunk_k's P loop).
         v, psi = _step_rows(V, b, h, c, pp, S, H, R, C, P), _rank_rows(PSI, h, pp, R, C, P)
-        d, phi, z, zeta = _dy_load(DOUT, PHI, Z, ZETA, b, h, c, pp, S, H, R, C, P, HAS_Z, REDUCE_O)
+        if DY_PREP:
+            dyp = tl.load(_dy_at(DY, bh, c, pp, NC, F, P))
+        else:
+            d, phi, z, zeta = _dy_load(DOUT, PHI, Z, ZETA, b, h, c, pp, S, H, R, C, P, HAS_Z, REDUCE_O)
         cell = (bh * NC + c) * N * P + jh[:, None] * P + pp[None, :]
         ds_lo, ds_hi = tl.load(DS + cell), tl.load(DS + cell + NH * P)
         st_lo, st_hi = tl.load(STATES + cell).to(dt), tl.load(STATES + cell + NH * P).to(dt)
         psiv = _fence(v * psi, FENCE)
-        dy = _fence(_dy_from(d, phi, z, zeta, HAS_Z, REDUCE_O), FENCE)
+        if DY_PREP:
+            dy = _fence(dyp.to(tl.float32), FENCE)
+        else:
+            dy = _fence(_dy_from(d, phi, z, zeta, HAS_Z, REDUCE_O), FENCE)
         psiv16, dy16 = psiv.to(dt), dy.to(dt)
         if HAS_D:
             dd += tl.sum(tl.sum(psiv * dy, 1), 0)
@@ -679,29 +756,9 @@ def _chunk(Q, K, QB, KB, V, PSI, COS, SIN, DA, DAR, DT, TRAP, QKD, SEG, DOUT, PH
     # The F x F operands (see _chunk_k), then the row sums, the key path and the query path.
     dkq_m = _fence(dkq * decay, FENCE).to(dt)
     dqk_t = _fence(tl.where(same, dkq * gamma[:, None], 0.0), FENCE).to(dt)
-    tl.store(DDA_CS_REV + per_step, _group(tl.sum(kh_lo.to(tl.float32) * dks_lo + kh_hi.to(tl.float32) * dks_hi, 1),
-                                           C, R))
-    tl.store(DDA_CS + per_step, _group(tl.sum(qh_lo * dqs_lo + qh_hi * dqs_hi, 1), C, R))
-    dkh_lo = er[:, None] * dks_lo + tl.dot(dkq_m, qh16_lo)
-    dkh_hi = er[:, None] * dks_hi + tl.dot(dkq_m, qh16_hi)
-    tl.store(DFACTOR + per_step, _group(tl.sum(kr_lo * dkh_lo + kr_hi * dkh_hi, 1), C, R))
-    dkr_lo, dkr_hi = dkh_lo * factor[:, None], dkh_hi * factor[:, None]
-    dang = dkr_hi * kr_lo - dkr_lo * kr_hi
-    gk_lo = dkr_lo - tl.dot(dqk_t, -qh16_lo)
-    gk_hi = dkr_hi - tl.dot(dqk_t, -qh16_hi)
-    out = (row[:, None] * H + h) * N + jh[None, :]
-    tl.store(DK + out, (gk_lo * cos + gk_hi * sin).to(dt))
-    tl.store(DK + out + NH, (gk_hi * cos - gk_lo * sin).to(dt))
-    ea = tl.exp(tl.load(DA + bh * S + s))
-    dqh_lo = ea[:, None] * dqs_lo - tl.dot(tl.trans(dkq_m), -kh_lo)
-    dqh_hi = ea[:, None] * dqs_hi - tl.dot(tl.trans(dkq_m), -kh_hi)
-    dang += dqh_hi * qh_lo - dqh_lo * qh_hi
-    dang = tl.sum(tl.reshape(dang, (C, R, NH)), 1)
-    tl.store(DANG + ((b * S + c * C + tc[:, None]) * H + h) * NR + jh[None, :], dang, mask=jh[None, :] < NR)
-    gq_lo = dqh_lo - tl.dot(tl.trans(dqk_t), (-kr_lo).to(dt))
-    gq_hi = dqh_hi - tl.dot(tl.trans(dqk_t), (-kr_hi).to(dt))
-    tl.store(DQ + out, (gq_lo * cos + gq_hi * sin).to(dt))
-    tl.store(DQ + out + NH, (gq_hi * cos - gq_lo * sin).to(dt))
+    _key_query_paths(dks_lo, dks_hi, dqs_lo, dqs_hi, dkq_m, dqk_t, qh_lo, qh_hi, qh16_lo, qh16_hi, kr_lo, kr_hi,
+                     kh_lo, kh_hi, cos, sin, er, factor, DDA_CS_REV + per_step, DFACTOR + per_step, DDA_CS + per_step,
+                     DA, DK, DQ, DANG, b, h, c, s, row, jh, bh, S, H, N, NR, C, R, NH)
 
 
 @triton.jit
@@ -737,6 +794,10 @@ def _key_blocks(config: dict, shape: dict) -> int:
     return shape["N"] // 2 // config["KEY_BJ"]
 
 
+def _prep_bp(shape: dict) -> int:
+    return min(PREP_BP, shape["P"])
+
+
 def _segments(config: dict, shape: dict) -> int:
     """Ranges of chunks the scan walks at once: the largest count of at most ``scan_segments`` that
     divides the chunk count (1 where none above 1 does)."""
@@ -745,10 +806,12 @@ def _segments(config: dict, shape: dict) -> int:
 
 
 def kernels(config: dict, shape: dict) -> list[str]:
-    """The kernels a config launches, in launch order (the scan's local pass only with segments)."""
+    """The kernels a config launches, in launch order (_prep only with dy_prep, the scan's local pass
+    only with segments)."""
     c = {**DEFAULTS, **config}
+    prep = ["prep"] if c["dy_prep"] else []
     local = ["scan_local"] if _segments(c, shape) > 1 else []
-    return ["angles"] + local + ["scan"] + (["chunk"] if c["fused_chunk"] else ["key", "value"]) + ["reduce"]
+    return prep + ["angles"] + local + ["scan"] + (["chunk"] if c["fused_chunk"] else ["key", "value"]) + ["reduce"]
 
 
 def _kernel_consts(config: dict, shape: dict, fence: bool = True) -> dict:
@@ -757,19 +820,21 @@ def _kernel_consts(config: dict, shape: dict, fence: bool = True) -> dict:
     k, has_d = _consts(config, shape), bool(shape["hasD"])
     scan = {**k, "BJ": config["SCAN_BJ"], "BP": config["SCAN_BP"], "STAGES": config["scan_stages"],
             "K": _segments(config, shape)}
-    return {"angles": {"BLOCK": ANGLE_BLOCK}, "scan_local": {**scan, "LOCAL": True},
+    chunk = {"HAS_D": has_d, "STAGES": config["chunk_stages"], "FENCE": fence, "DY_PREP": bool(config["dy_prep"])}
+    return {"prep": {"P": shape["P"], "R": shape["R"], "C": shape["C"], "BP": _prep_bp(shape), "HAS_Z": k["HAS_Z"],
+                     "REDUCE_O": k["REDUCE_O"]},
+            "angles": {"BLOCK": ANGLE_BLOCK}, "scan_local": {**scan, "LOCAL": True},
             "scan": {**scan, "LOCAL": False},
-            "key": {**k, "BJ": config["KEY_BJ"], "BP": config["KEY_BP"], "HAS_D": has_d,
-                    "STAGES": config["chunk_stages"], "FENCE": fence},
-            "value": {**k, "BJ": config["VALUE_BJ"], "BP": config["BLOCK_P"], "NBJ": _key_blocks(config, shape), "HAS_D": has_d,
-                      "STAGES": config["chunk_stages"], "FENCE": fence},
-            "chunk": {**k, "BP": config["BLOCK_P"], "HAS_D": has_d, "STAGES": config["chunk_stages"], "FENCE": fence},
+            "key": {**k, "BJ": config["KEY_BJ"], "BP": config["KEY_BP"], **chunk},
+            "value": {**k, "BJ": config["VALUE_BJ"], "BP": config["BLOCK_P"], "NBJ": _key_blocks(config, shape),
+                      **chunk},
+            "chunk": {**k, "BP": config["BLOCK_P"], **chunk},
             "reduce": {"R": shape["R"], "P": shape["P"], "HAS_D": has_d}}
 
 
 def _warps(config: dict) -> dict:
-    return {"angles": 4, "scan_local": config["scan_warps"], "scan": config["scan_warps"], "key": config["key_warps"],
-            "value": config["chunk_warps"], "chunk": config["chunk_warps"], "reduce": 4}
+    return {"prep": 4, "angles": 4, "scan_local": config["scan_warps"], "scan": config["scan_warps"],
+            "key": config["key_warps"], "value": config["chunk_warps"], "chunk": config["chunk_warps"], "reduce": 4}
 
 
 def _launch_opts(config: dict) -> dict:
@@ -802,11 +867,17 @@ def build(config: dict, shape: dict):
                         cos=torch.empty(B, S, H, nr, **f32), sin=torch.empty(B, S, H, nr, **f32),
                         kh=torch.empty(B, H, nc, C * R, N, dtype=i["Q"].dtype, device=dev),
                         carry=torch.empty(B, H, segs, N, P, **f32), decay=torch.empty(B, H, segs, **f32))
+            if config["dy_prep"]:
+                work["dy"] = torch.empty(B, H, nc, C * R, P, dtype=i["Q"].dtype, device=dev)
         w = work
         dummy = i["Q"]
         z, zeta = (i["Z"], i["MIMO_Z"]) if shape["hasZ"] else (dummy, i["MIMO_V"])
         dpar = i["D"] if shape["hasD"] else i["MIMO_V"]
         dd_out = o["DD"] if shape["hasD"] else w["dd"]
+        dy = w["dy"] if config["dy_prep"] else dummy
+        if config["dy_prep"]:
+            _prep[(nc * P // _prep_bp(shape), H, B)](i["DOUT"], i["MIMO_O"], z, zeta, dy, S, H, nc, **launch["prep"],
+                                                     **kc["prep"])
         _angles[(triton.cdiv(n_ang, ANGLE_BLOCK),)](i["ANGLES"], w["cos"], w["sin"], n_ang, **launch["angles"],
                                                      **kc["angles"])
         scan_args = (i["Q"], i["Q_BIAS"], w["cos"], w["sin"], i["DA_CS"], i["DOUT"], i["MIMO_O"], z, zeta, w["ds"],
@@ -817,8 +888,8 @@ def build(config: dict, shape: dict):
         if config["fused_chunk"]:
             kern = _chunk[(nc, H, B)](
                 i["Q"], i["K"], i["Q_BIAS"], i["K_BIAS"], i["V"], i["MIMO_V"], w["cos"], w["sin"], i["DA_CS"],
-                i["DA_CS_REV"], i["DT"], i["TRAP"], i["QK_DOT"], i["SEGSUM"], i["DOUT"], i["MIMO_O"], z, zeta, dpar,
-                i["STATES"], w["ds"], o["DQ"], o["DK"], o["DANGLES"], o["DV"], o["DFACTOR"], o["DGAMMA_DIAG"],
+                i["DA_CS_REV"], i["DT"], i["TRAP"], i["QK_DOT"], i["SEGSUM"], i["DOUT"], i["MIMO_O"], z, zeta, dy,
+                dpar, i["STATES"], w["ds"], o["DQ"], o["DK"], o["DANGLES"], o["DV"], o["DFACTOR"], o["DGAMMA_DIAG"],
                 o["DDA"], o["DDA_CS"], o["DDA_CS_REV"], o["DSSDA"], w["dpsi"], w["dd"], S, H, G, nc,
                 **launch["chunk"], **kc["chunk"])
             _reduce[(H, B)](w["dpsi"], w["dd"], o["DMIMO_V"], dd_out, H, nc, **launch["reduce"], **kc["reduce"])
@@ -826,12 +897,12 @@ def build(config: dict, shape: dict):
         _chunk_k[(nc * nbj, H, B)](
             i["Q"], i["K"], i["Q_BIAS"], i["K_BIAS"], i["V"], i["MIMO_V"], w["cos"], w["sin"], i["DA_CS"],
             i["DA_CS_REV"],
-            i["DT"], i["TRAP"], i["SEGSUM"], i["DOUT"], i["MIMO_O"], z, zeta, i["STATES"], w["ds"],
+            i["DT"], i["TRAP"], i["SEGSUM"], i["DOUT"], i["MIMO_O"], z, zeta, dy, i["STATES"], w["ds"],
             o["DQ"], o["DK"], o["DANGLES"], w["rows"], w["dda"], w["dd"], w["qh"], w["kh"], S, H, G, nc,
             **launch["key"], **kc["key"])
         kern = _chunk_v[(nc, H, B)](
             w["qh"], w["kh"], i["V"], i["MIMO_V"], i["DA_CS_REV"],
-            i["DT"], i["TRAP"], i["QK_DOT"], i["SEGSUM"], i["DOUT"], i["MIMO_O"], z, zeta, dpar, w["ds"],
+            i["DT"], i["TRAP"], i["QK_DOT"], i["SEGSUM"], i["DOUT"], i["MIMO_O"], z, zeta, dy, dpar, w["ds"],
             w["rows"], w["dda"], o["DV"], o["DFACTOR"], o["DGAMMA_DIAG"], o["DDA"], o["DDA_CS"], o["DDA_CS_REV"],
             o["DSSDA"], w["dpsi"], S, H, G, nc, **launch["value"], **kc["value"])
         _reduce[(H, B)](w["dpsi"], w["dd"], o["DMIMO_V"], dd_out, H, nc, **launch["reduce"], **kc["reduce"])
@@ -908,15 +979,17 @@ def smem_kernels(config: dict, shape: dict, target: str) -> dict:
 
     # The scan's local pass (with segments) stages the same tiles without the dS store: at most the scan's.
     local = {"scan_local": scan} if "scan_local" in kernels(config, shape) else {}
+    # angles, reduce and _prep (dy stored in the layout it is loaded and built in): registers only. The
+    # chunk kernels stage the same with dy_prep: dy, loaded, is fenced as the dy they build.
+    prep = {"prep": 0} if c["dy_prep"] else {}
     if c["fused_chunk"]:
         # Fused kernel, a bound (smem_inexact): q_hat and k_hat's operands, e F N for each, and four
         # [F, BLOCK_P] tiles (PsiV's and dy's operands, in their layouts, in the P loop). At C*R = 64 it is
         # the compiler's figure on sm_90a with BLOCK_P = 32, 11-19% above it with 64; about twice it
         # on sm_121a (mma.sync stages less). BLOCK_P = 128 (94,208 B on sm_90a at training) is beyond it.
         chunk = 2 * e * F * shape["N"] + 4 * e * F * c["BLOCK_P"]
-        return {"angles": 0, "scan": scan, **local, "chunk": chunk, "reduce": 0}
-    # angles, reduce: registers only
-    return {"angles": 0, "scan": scan, **local, "key": key, "value": value, "reduce": 0}
+        return {**prep, "angles": 0, "scan": scan, **local, "chunk": chunk, "reduce": 0}
+    return {**prep, "angles": 0, "scan": scan, **local, "key": key, "value": value, "reduce": 0}
 
 
 def smem_inexact(config: dict, shape: dict, target: str) -> set:
@@ -946,13 +1019,14 @@ def smem_estimate(config: dict, shape: dict, target: str) -> int:
 
     Over the sweep space (sweeps/mamba_bwd_bwd/triton.toml) at every named shape, each kernel's figure
     equals the compiler's for sm_90a and sm_121a (tests/test_triton_mamba.py) except where smem_inexact
-    names it; there it is an upper bound. The key side's and the value side's figures are exact at
-    C*R = 32 and 64 with more than one P step (every named shape). The scan's is a
-    bound where its dS / dy layout conversion outweighs the q_hat^T operand (at the named shapes:
-    SCAN_BP = 128, or R = 1, or unreduced DOUT); that bound gives the largest figure only at
-    grid_n128_p128_r4_c8 with SCAN_BP = 128. The fused chunk kernel's figure is a bound (checked at
-    the named shapes it takes, where it is the largest), so that a fused config's preflight is an upper
-    bound too. Not modelled: C*R >= 256 (over every device's limit)."""
+    names it; there it is an upper bound (dy_prep's configs are compiled there at gb10 and training; with
+    it the chunk kernels' figures are those without it, checked at every named shape when written). The
+    key side's and the value side's figures are exact at C*R = 32 and 64 with more than one P step (every
+    named shape). The scan's is a bound where its dS / dy layout conversion outweighs the q_hat^T operand
+    (at the named shapes: SCAN_BP = 128, or R = 1, or unreduced DOUT); that bound gives the largest figure
+    only at grid_n128_p128_r4_c8 with SCAN_BP = 128. The fused chunk kernel's figure is a bound (checked
+    at the named shapes it takes, where it is the largest), so that a fused config's preflight is an
+    upper bound too. Not modelled: C*R >= 256 (over every device's limit)."""
     return max(smem_kernels(config, shape, target).values())
 
 
@@ -962,25 +1036,27 @@ def _signatures(shape: dict) -> dict:
     dims = dict(S="i32", H="i32", G="i32", NC="i32")
     scan = dict(Q=e, QB=f, COS=f, SIN=f, DA=f, DOUT=e, PHI=f, Z=e, ZETA=f, DS=e, CARRY=f, DECAY=f, **dims)
     key = dict(Q=e, K=e, QB=f, KB=f, V=e, PSI=f, COS=f, SIN=f, DA=f, DAR=f, DT=f, TRAP=e, SEG=f, DOUT=e, PHI=f, Z=e,
-               ZETA=f, STATES="*bf16", DS=e, DQ=e, DK=e, DANG=f, ROW_WS=f, DDA_WS=f, DD_WS=f, QH=e, KH=e, **dims)
+               ZETA=f, DY=e, STATES="*bf16", DS=e, DQ=e, DK=e, DANG=f, ROW_WS=f, DDA_WS=f, DD_WS=f, QH=e, KH=e, **dims)
     value = dict(QH=e, KH=e, V=e, PSI=f, DAR=f, DT=f, TRAP=e, QKD=e, SEG=f, DOUT=e, PHI=f, Z=e,
-                 ZETA=f, DPARAM=f, DS=e, ROW_WS=f, DDA_WS=f, DV=e, DFACTOR=f, DGAMMA=f, DDA=f, DDA_CS=f,
+                 ZETA=f, DY=e, DPARAM=f, DS=e, ROW_WS=f, DDA_WS=f, DV=e, DFACTOR=f, DGAMMA=f, DDA=f, DDA_CS=f,
                  DDA_CS_REV=f, DSSDA=f, DPSI_WS=f, **dims)
     chunk = dict(Q=e, K=e, QB=f, KB=f, V=e, PSI=f, COS=f, SIN=f, DA=f, DAR=f, DT=f, TRAP=e, QKD=e, SEG=f, DOUT=e,
-                 PHI=f, Z=e, ZETA=f, DPARAM=f, STATES="*bf16", DS=e, DQ=e, DK=e, DANG=f, DV=e, DFACTOR=f, DGAMMA=f,
-                 DDA=f, DDA_CS=f, DDA_CS_REV=f, DSSDA=f, DPSI_WS=f, DD_WS=f, **dims)
+                 PHI=f, Z=e, ZETA=f, DY=e, DPARAM=f, STATES="*bf16", DS=e, DQ=e, DK=e, DANG=f, DV=e, DFACTOR=f,
+                 DGAMMA=f, DDA=f, DDA_CS=f, DDA_CS_REV=f, DSSDA=f, DPSI_WS=f, DD_WS=f, **dims)
     reduce = dict(DPSI_WS=f, DD_WS=f, DPSI=f, DD=f, H="i32", NC="i32")
     angles = dict(ANG=f, COS=f, SIN=f, n="i32")
-    return {"angles": angles, "scan_local": scan, "scan": scan, "key": key, "value": value, "chunk": chunk,
-            "reduce": reduce}
+    prep = dict(DOUT=e, PHI=f, Z=e, ZETA=f, DY=e, S="i32", H="i32", NC="i32")
+    return {"prep": prep, "angles": angles, "scan_local": scan, "scan": scan, "key": key, "value": value,
+            "chunk": chunk, "reduce": reduce}
 
 
-_FNS = {"angles": _angles, "scan_local": _scan, "scan": _scan, "key": _chunk_k, "value": _chunk_v, "chunk": _chunk,
-        "reduce": _reduce}
+_FNS = {"prep": _prep, "angles": _angles, "scan_local": _scan, "scan": _scan, "key": _chunk_k, "value": _chunk_v,
+        "chunk": _chunk, "reduce": _reduce}
 
 
 def compile_kernel(name: str, config: dict, shape: dict, target: str) -> dict:
-    """One kernel of ``kernels`` ("angles", "scan_local", "scan", "key", "value", "reduce") for ``target`` (no GPU)."""
+    """One kernel of ``kernels`` ("prep", "angles", "scan_local", "scan", "key", "value", "chunk", "reduce") for
+    ``target`` (no GPU)."""
     config = {**DEFAULTS, **config}
     return _common.aot(_FNS[name], _signatures(shape)[name], _kernel_consts(config, shape)[name], target,
                        **_launch_opts(config)[name])
