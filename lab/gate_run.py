@@ -1,8 +1,9 @@
 """``python -m lab gate --run``: refresh the stale entries on the GPU present and judge the change.
 
 For each entry the gate finds stale, slower (an earlier A/B's SLOWER verdict at today's code: re-judged
-against the same previous code) or never measured on this device (the present profile, or a
-profile named with --device, emulated), each stale shape in turn is re-swept (the previous committed
+against the same previous code), never measured, or fresh at shapes no A/B judged (``Entry.unjudged``:
+re-measured by a plain sweep, or by a gate --run stopped before that shape's A/B) on this device (the
+present profile, or a profile named with --device, emulated), each such shape in turn is re-swept (the previous committed
 best config enqueued first, then a bounded number of new trials) and judged before the next one
 (a run stopped part way keeps its finished shapes' verdicts): the previous best (its config run by
 the code it was measured with: the lane's files at that row's git commit, copied by
@@ -133,8 +134,12 @@ def refresh(df: pd.DataFrame, present: PresentGPU | None, *, devices: list[str] 
             named = space.load_shapes(e.kernel)[0]
             known |= set(named)
             e.stale_shapes = [s for s in shapes if s in named]
+        elif e.status == "fresh" and e.unjudged:
+            # Fresh shapes whose change no A/B judged (a plain sweep measured it, or a gate --run stopped
+            # between a shape's re-sweep and its A/B): judged here like stale ones.
+            e.stale_shapes = list(e.unjudged)
         # Reference lanes are refreshed only when named with --dsl (they are slow and never required).
-        if (e.stale_shapes if shapes else e.status != "fresh") \
+        if (e.stale_shapes if shapes else e.status != "fresh" or e.unjudged) \
                 and (e.device == here or (devices and e.device in devices)) \
                 and (not e.reference or (dsls and e.dsl in dsls)):
             entries.append(e)
@@ -142,7 +147,7 @@ def refresh(df: pd.DataFrame, present: PresentGPU | None, *, devices: list[str] 
     if unknown:
         raise LabError(f"unknown shape {unknown[0]!r} for the selected kernels (see sweeps/<kernel>/shapes.toml)")
     if not entries:
-        out(f"gate --run: nothing stale to refresh on {here or 'this machine'}")
+        out(f"gate --run: nothing stale or unjudged to refresh on {', '.join(devices or []) or here or 'this machine'}")
         return 0
     ok = gate.ok_rows(df)
     failed = False
@@ -169,7 +174,8 @@ def refresh(df: pd.DataFrame, present: PresentGPU | None, *, devices: list[str] 
         def listed(cfg: dict) -> bool:
             return not sp.unlisted(lane.full_config({k: v for k, v in cfg.items() if k in lane.module.TUNABLES}))
 
-        out(f"gate --run: {e.kernel} {e.dsl} {e.device}: {e.status}; re-sweeping {', '.join(todo)}")
+        why = "fresh, no A/B of this code" if e.status == "fresh" else e.status
+        out(f"gate --run: {e.kernel} {e.dsl} {e.device}: {why}; re-sweeping {', '.join(todo)}")
         ab_runner = runner
         # One shape at a time, each judged before the next is swept: a run stopped part way (a call's time
         # limit) keeps the verdicts of the shapes it finished, and the next gate --run starts from the rest.

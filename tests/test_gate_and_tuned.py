@@ -574,7 +574,7 @@ def test_gate_run_shape_rechecks_a_fresh_entry(lab_env):
     lines, runner = [], ABRunner(1.0)
     assert gate_run.refresh(df, present_h100(), kernels=["gemm"], dsls=["sim"], trials=1,
                             results_dir=lab_env.results, runner=runner, out=lines.append) == 0
-    assert lines == ["gate --run: nothing stale to refresh on h100"] and not runner.ab_lanes
+    assert lines == ["gate --run: nothing stale or unjudged to refresh on h100"] and not runner.ab_lanes
     rc = gate_run.refresh(df, present_h100(), kernels=["gemm"], dsls=["sim"], shapes=["tiny"], trials=1,
                           results_dir=lab_env.results, runner=runner, out=lines.append)
     text = "\n".join(lines)
@@ -613,6 +613,43 @@ def test_gate_run_judges_each_shape_before_sweeping_the_next(lab_env):
     after = results.load(lab_env.results)
     judged = after[after["phase"].isin(["gate_previous", "gate_checkout"])]
     assert set(judged["shape"]) == {"tiny"} and len(judged) == 2
+
+
+def test_a_gate_run_stopped_before_a_shapes_ab_judges_that_shape_next_time(lab_env):
+    """Stopped after a shape's re-sweep wrote its rows but before its A/B, the shape is fresh with no
+    verdict (unjudged): the next plain gate --run judges it, and only it. It once answered "nothing
+    stale to refresh", so the cuTile training shape kept no A/B (2 x H200, 2026-11-28,
+    results/logs/20261128T151733Z-call-log.txt)."""
+    from lab import gate_run
+    from tests.test_sweep_engine import present_h100
+    registry._LANES.clear()
+    df = _committed_sim_row(lab_env, SIM_BEST, {"tests/fake_lanes/sim/gemm.py": "old"})
+    _default_shapes(lab_env, ["tiny", "tiny_fp16"])
+    second = {**df.iloc[0].to_dict(), "run_id": "previous-fp16", "shape": "tiny_fp16", "dtype": "float16",
+              "shape_json": json.dumps({"M": 33, "N": 24, "K": 40, "dtype": "float16"})}
+    results.RunWriter(lab_env.results / "h100" / "gemm", "previous-fp16").add(second)
+    df = results.load(lab_env.results)
+
+    class StopsAtTheSecondAB(ABRunner):
+        def run(self, task, timeout_s):
+            if task.get("kind") == "abab" and task["shape"]["dtype"] == "float16":
+                raise KeyboardInterrupt
+            return super().run(task, timeout_s)
+
+    with pytest.raises(KeyboardInterrupt):
+        gate_run.refresh(df, present_h100(), kernels=["gemm"], dsls=["sim"], trials=0,
+                         results_dir=lab_env.results, runner=StopsAtTheSecondAB(1.0), out=lambda line: None)
+    stopped = results.load(lab_env.results)
+    (e,) = gate.evaluate(stopped, devices=["h100"], kernels=["gemm"], dsls=["sim"])
+    assert e.status == "fresh" and e.unjudged == ["tiny_fp16"]
+    lines, runner = [], ABRunner(1.0)
+    assert gate_run.refresh(stopped, present_h100(), kernels=["gemm"], dsls=["sim"], trials=0,
+                            results_dir=lab_env.results, runner=runner, out=lines.append) == 0
+    text = "\n".join(lines)
+    assert "sim h100: fresh, no A/B of this code; re-sweeping tiny_fp16" in text, text
+    assert "gemm sim h100 tiny_fp16: previous" in text and "h100 tiny: previous" not in text, text
+    (e,) = gate.evaluate(results.load(lab_env.results), devices=["h100"], kernels=["gemm"], dsls=["sim"])
+    assert e.status == "fresh" and e.unjudged == []
 
 
 @pytest.mark.parametrize("trials", [0, 2])
