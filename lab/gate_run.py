@@ -3,8 +3,8 @@
 For each entry the gate finds stale, slower (an earlier A/B's SLOWER verdict at today's code: re-judged
 against the same previous code), never measured, or fresh at shapes no A/B judged (``Entry.unjudged``:
 re-measured by a plain sweep, or by a gate --run stopped before that shape's A/B) on this device (the
-present profile, or a profile named with --device, emulated), each such shape in turn is re-swept (the previous committed
-best config enqueued first, then a bounded number of new trials) and judged before the next one
+present profile, or a profile named with --device, emulated), each such shape in turn is re-swept (the
+previous committed best config enqueued first, then a bounded number of new trials) and judged before the next one
 (a run stopped part way keeps its finished shapes' verdicts): the previous best (its config run by
 the code it was measured with: the lane's files at that row's git commit, copied by
 ``identity.materialize``) and the new best (the checkout) are timed interleaved, twice: once with
