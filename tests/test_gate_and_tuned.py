@@ -584,6 +584,18 @@ def test_gate_run_shape_rechecks_a_fresh_entry(lab_env):
         gate_run.refresh(df, present_h100(), kernels=["gemm"], dsls=["sim"], shapes=["nope"], runner=runner)
 
 
+def _two_shape_sim_rows(lab_env):
+    """Previous ok rows of the sim lane at two default shapes (tiny, tiny_fp16), of other code than the
+    checkout's: both shapes are stale."""
+    registry._LANES.clear()
+    df = _committed_sim_row(lab_env, SIM_BEST, {"tests/fake_lanes/sim/gemm.py": "old"})
+    _default_shapes(lab_env, ["tiny", "tiny_fp16"])
+    second = {**df.iloc[0].to_dict(), "run_id": "previous-fp16", "shape": "tiny_fp16", "dtype": "float16",
+              "shape_json": json.dumps({"M": 33, "N": 24, "K": 40, "dtype": "float16"})}
+    results.RunWriter(lab_env.results / "h100" / "gemm", "previous-fp16").add(second)
+    return results.load(lab_env.results)
+
+
 def test_gate_run_judges_each_shape_before_sweeping_the_next(lab_env):
     """A gate --run stopped part way (a device call's time limit) keeps the A/B verdicts of the shapes it
     finished: each shape is re-swept and judged before the next. It once re-swept every shape first and
@@ -591,13 +603,7 @@ def test_gate_run_judges_each_shape_before_sweeping_the_next(lab_env):
     20261128T002922Z-mamba_bwd_bwd-h100-781)."""
     from lab import gate_run
     from tests.test_sweep_engine import present_h100
-    registry._LANES.clear()
-    df = _committed_sim_row(lab_env, SIM_BEST, {"tests/fake_lanes/sim/gemm.py": "old"})
-    _default_shapes(lab_env, ["tiny", "tiny_fp16"])
-    second = {**df.iloc[0].to_dict(), "run_id": "previous-fp16", "shape": "tiny_fp16", "dtype": "float16",
-              "shape_json": json.dumps({"M": 33, "N": 24, "K": 40, "dtype": "float16"})}
-    results.RunWriter(lab_env.results / "h100" / "gemm", "previous-fp16").add(second)
-    df = results.load(lab_env.results)
+    df = _two_shape_sim_rows(lab_env)
 
     class StopsAtTheSecondShape(ABRunner):
         def run(self, task, timeout_s):
@@ -622,13 +628,7 @@ def test_a_gate_run_stopped_before_a_shapes_ab_judges_that_shape_next_time(lab_e
     results/logs/20261128T151733Z-call-log.txt)."""
     from lab import gate_run
     from tests.test_sweep_engine import present_h100
-    registry._LANES.clear()
-    df = _committed_sim_row(lab_env, SIM_BEST, {"tests/fake_lanes/sim/gemm.py": "old"})
-    _default_shapes(lab_env, ["tiny", "tiny_fp16"])
-    second = {**df.iloc[0].to_dict(), "run_id": "previous-fp16", "shape": "tiny_fp16", "dtype": "float16",
-              "shape_json": json.dumps({"M": 33, "N": 24, "K": 40, "dtype": "float16"})}
-    results.RunWriter(lab_env.results / "h100" / "gemm", "previous-fp16").add(second)
-    df = results.load(lab_env.results)
+    df = _two_shape_sim_rows(lab_env)
 
     class StopsAtTheSecondAB(ABRunner):
         def run(self, task, timeout_s):
